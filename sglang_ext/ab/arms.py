@@ -1,0 +1,138 @@
+"""The arms of the layer A/B. Each arm turns ModelOpt NVFP4 experts into a callable
+`run(hidden_states, topk_weights, topk_ids) -> [M, H]`, or raises ArmUnavailable with the
+reason. An unavailable arm is reported as such and never replaced by another one.
+
+- reference:   k3nvfp4.kernels.fused_moe_nvfp4_reference (plain torch, W4A16; always runs)
+- triton_situ: k3nvfp4.kernels.fused_moe_nvfp4 (Triton; CUDA, or the interpreter on CPU)
+- marlin:      SGLang's NVFP4 marlin MoE (sgl_kernel): weights repacked as
+               ModelOptNvFp4FusedMoEMethod.process_weights_after_loading does for the marlin
+               backend (w13 scale_2 collapsed to the gate column, then
+               prepare_moe_nvfp4_layer_for_marlin), run through fused_marlin_moe with the
+               arguments of SGLang's marlin MoE runner (gemm1_alpha = SiTU beta,
+               clamp_limit = linear beta).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from .layer_inputs import ModelOptExperts
+
+ARM_NAMES = ("reference", "triton_situ", "marlin")
+RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ArmUnavailable(RuntimeError):
+    """This arm cannot run here; the message is the reason shown in the report."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _act_kwargs(ex: ModelOptExperts) -> dict:
+    return dict(activation=ex.activation, situ_beta=ex.situ_beta, situ_linear_beta=ex.situ_linear_beta,
+                routed_scaling_factor=ex.routed_scaling_factor)
+
+
+def build_reference(ex: ModelOptExperts, device: torch.device) -> tuple[RunFn, list[str]]:
+    from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4_reference
+
+    w = NVFP4MoEWeights.from_modelopt(*(t.to(device) for t in ex.tensors()))
+    kw = _act_kwargs(ex)
+    return (lambda x, tw, ids: fused_moe_nvfp4_reference(x, w, tw, ids, **kw)), []
+
+
+def build_triton_situ(ex: ModelOptExperts, device: torch.device) -> tuple[RunFn, list[str]]:
+    if device.type != "cuda" and not _interpreting():
+        raise ArmUnavailable(f"Triton kernels need a CUDA device; tensors are on {device} and TRITON_INTERPRET "
+                             "is not set (set TRITON_INTERPRET=1 before triton is imported to run on CPU)")
+    from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4
+
+    w = NVFP4MoEWeights.from_modelopt(*(t.to(device) for t in ex.tensors()))
+    kw = _act_kwargs(ex)
+    notes = []
+    if device.type != "cuda":
+        notes.append("Triton interpreter on CPU (fp32 dots); timings are not meaningful. The interpreter truncates "
+                     "fp32 -> bf16/fp16 casts where the reference rounds to nearest, so the 16-bit intermediate "
+                     "differs by up to 1 ulp: expect rel err ~5e-3 vs the reference here, not a kernel defect "
+                     "(with fp32 activations the two agree to ~5e-7)")
+    return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, **kw)), notes
+
+
+def marlin_unavailable_reason(device: torch.device) -> str | None:
+    """Why the marlin arm cannot run on `device`, or None when it can be tried."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return (f"no CUDA device (device {device}, torch.cuda.is_available() = {torch.cuda.is_available()}); "
+                "SGLang's NVFP4 marlin MoE runs sgl_kernel CUDA kernels")
+    try:
+        import sgl_kernel  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure makes the arm unavailable
+        return f"sgl_kernel does not import ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})"
+    try:
+        from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe  # noqa: F401
+        from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_nvfp4_layer_for_marlin  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"sglang's marlin MoE does not import ({type(e).__name__}: {str(e)[:200]})"
+    return None
+
+
+def build_marlin(ex: ModelOptExperts, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+    reason = marlin_unavailable_reason(device)
+    if reason:
+        raise ArmUnavailable(reason)
+    if ex.activation not in ("situ", "silu"):
+        raise ArmUnavailable(f"marlin supports gated silu/situ, not {ex.activation}")
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
+    from sglang.srt.layers.quantization.marlin_utils import marlin_make_workspace
+    from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_nvfp4_layer_for_marlin
+
+    w13, w13_s, w13_s2, w2, w2_s, w2_s2 = (t.to(device) for t in ex.tensors())
+    notes = []
+    # Marlin has one global scale for w1 and w3; SGLang keeps the gate column (and warns).
+    differ = int((w13_s2[:, 0] != w13_s2[:, 1]).sum())
+    if differ:
+        notes.append(f"{differ} expert(s) have gate scale_2 != up scale_2; marlin uses the gate value for both "
+                     "(as SGLang does), so its up half is mis-scaled there")
+    layer = torch.nn.Module()
+    P = lambda t: torch.nn.Parameter(t.contiguous(), requires_grad=False)  # noqa: E731
+    layer.w13_weight, layer.w2_weight = P(w13.clone()), P(w2.clone())
+    layer.w13_weight_scale, layer.w2_weight_scale = P(w13_s.clone()), P(w2_s.clone())
+    layer.w13_weight_scale_2, layer.w2_weight_scale_2 = P(w13_s2[:, 0].clone()), P(w2_s2.clone())
+    layer.moe_runner_config = SimpleNamespace(is_gated=True)
+    layer.intermediate_size_per_partition = ex.intermediate_size
+    layer.params_dtype = dtype
+    prepare_moe_nvfp4_layer_for_marlin(layer, group_size=16)
+    E = ex.num_experts
+    clamp = ex.situ_linear_beta if ex.activation == "situ" else None
+    alpha = ex.situ_beta if ex.activation == "situ" else None
+
+    def run(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_marlin_moe(
+            hidden_states=x.contiguous(), w1=layer.w13_weight, w2=layer.w2_weight,
+            w1_scale=layer.w13_weight_scale, w2_scale=layer.w2_weight_scale,
+            gating_output=torch.empty(x.shape[0], E, dtype=x.dtype, device=x.device),
+            topk_weights=tw, topk_ids=ids.to(torch.int32),
+            w1_global_scale=layer.w13_weight_scale_2, w2_global_scale=layer.w2_weight_scale_2,
+            workspace=marlin_make_workspace(x.device, max_blocks_per_sm=4), num_bits=4, is_k_full=True,
+            inplace=False, routed_scaling_factor=ex.routed_scaling_factor, clamp_limit=clamp, gemm1_alpha=alpha,
+            activation=ex.activation, is_gated=True,
+        ).to(x.dtype)
+
+    return run, notes
+
+
+def build_arm(name: str, ex: ModelOptExperts, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+    """Callable and notes of arm `name`; raises ArmUnavailable (reason) or ValueError (unknown name)."""
+    if name == "reference":
+        return build_reference(ex, device)
+    if name == "triton_situ":
+        return build_triton_situ(ex, device)
+    if name == "marlin":
+        return build_marlin(ex, device, dtype)
+    raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES)}")

@@ -1,0 +1,139 @@
+"""`k3nvfp4-ab`: accuracy A/B of the triton_situ MoE backend against marlin.
+
+  k3nvfp4-ab layer --synthetic --out DIR          # one MoE layer, tensor-level metrics
+  k3nvfp4-ab layer --ckpt NVFP4_DIR --layer 5 --out DIR
+  k3nvfp4-ab serve --print-launch                 # the two sglang servers it expects
+  k3nvfp4-ab serve --arm marlin=http://h:30000 --arm triton_situ=http://h:30001 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import ABError
+
+
+def _arm(s: str) -> tuple[str, str]:
+    name, sep, url = s.partition("=")
+    if not sep or not name or not url:
+        raise argparse.ArgumentTypeError(f"expected NAME=URL, got {s!r}")
+    return name, url
+
+
+def _add_layer(sub) -> None:
+    p = sub.add_parser("layer", help="layer-level A/B of one MoE layer (reference, triton_situ, marlin)",
+                       description="Run one NVFP4 MoE layer through every arm on the same routed inputs and "
+                                   "compare outputs. Arms that cannot run are reported 'not available: <reason>'.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", type=Path, help="NVFP4 (ModelOpt) checkpoint directory")
+    src.add_argument("--synthetic", action="store_true", help="random NVFP4 weights with K3 shard structure")
+    p.add_argument("--layer", type=int, help="MoE layer index (with --ckpt)")
+    p.add_argument("--experts", type=int, default=None,
+                   help="--synthetic: local experts (default 8; K3 TP16 shard: 896); --ckpt: load the first N (default all)")
+    p.add_argument("--hidden", type=int, default=256, help="--synthetic: hidden size H (K3: 3584)")
+    p.add_argument("--intermediate", type=int, default=128, help="--synthetic: intermediate size I (K3 TP16: 192)")
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (default: checkpoint's, synthetic 4)")
+    p.add_argument("--tokens", type=int, default=64, help="number of tokens M")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--activations", type=Path, help=".pt/.safetensors with hidden_states, topk_ids, topk_weights")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--arms", default="reference,triton_situ,marlin", help="comma list of arms to try")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per arm (default 5 on GPU, 1 on CPU)")
+    p.add_argument("--out", type=Path, required=True, help="output directory (report.json, summary.md, PNGs)")
+
+
+def _add_serve(sub) -> None:
+    from .serve import ServeConfig
+
+    d = ServeConfig(arms=[], out_dir=Path("."))
+    p = sub.add_parser("serve", help="server-level A/B of two OpenAI-compatible endpoints",
+                       description="Send the same prompts to two SGLang servers (one per MoE backend) and compare "
+                                   "greedy outputs token by token and pass@1 over seeds. Without --arm (or with "
+                                   "--print-launch) it prints the two launch commands it expects.")
+    p.add_argument("--arm", type=_arm, action="append", default=[], metavar="NAME=URL",
+                   help="an endpoint, twice; the first is the baseline (e.g. marlin=http://host:30000)")
+    p.add_argument("--print-launch", action="store_true", help="print the expected sglang launch commands and exit")
+    p.add_argument("--model-path", default="/path/to/kimi-k3-nvfp4", help="checkpoint shown in --print-launch")
+    p.add_argument("--tp", type=int, default=8, help="tensor parallel size shown in --print-launch")
+    p.add_argument("--extra-args", default="", help="flags appended to both launch commands (e.g. multi-node flags)")
+    p.add_argument("--model", default=None, help="model name sent in requests (default: each server's first /v1/models id)")
+    p.add_argument("--prompts", default=None, help="prompt JSONL (default: built-in arithmetic + multiple-choice set)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--retries", type=int, default=d.retries, help="extra attempts on connection errors, timeouts, 5xx")
+    p.add_argument("--backoff", type=float, default=d.backoff_s, help="first retry wait in s, doubled each retry")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request timeout in s")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="generation budget; large because reasoning models truncate thinking otherwise")
+    p.add_argument("--reasoning-effort", default=None, help="passed through (K3: low / high / max)")
+    p.add_argument("--seeds", type=int, default=d.seeds, help="seed 0 greedy, seeds >= 1 temperature 0.6 top_p 0.95")
+    p.add_argument("--top-logprobs", type=int, default=d.top_logprobs)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", type=Path, help="output directory (required unless printing launch commands)")
+
+
+def _serve(args) -> int:
+    from .serve import ServeConfig, launch_commands, run_serve_ab, summary_markdown
+
+    if args.print_launch or not args.arm:
+        for name, cmd in launch_commands(args.model_path, tp=args.tp, extra_args=args.extra_args).items():
+            print(f"# {name}\n{cmd}\n")
+        if not args.arm:
+            print("Then: k3nvfp4-ab serve --arm marlin=http://HOST:30000 --arm triton_situ=http://HOST:30001 --out DIR")
+        return 0
+    if args.out is None:
+        raise ABError("serve: --out DIR is required")
+    cfg = ServeConfig(arms=args.arm, out_dir=args.out, model=args.model, prompts=args.prompts, limit=args.limit,
+                      concurrency=args.concurrency, retries=args.retries, backoff_s=args.backoff,
+                      timeout_s=args.timeout, max_tokens=args.max_tokens, reasoning_effort=args.reasoning_effort,
+                      seeds=args.seeds, top_logprobs=args.top_logprobs, progress=not args.no_progress)
+    rep = run_serve_ab(cfg)
+    print(summary_markdown(rep))
+    print(f"report: {args.out / 'report.json'}")
+    return 0
+
+
+def _layer(args) -> int:
+    import os
+
+    import torch
+
+    # Triton decides interpreter vs compiled when a kernel is defined: set it before importing them.
+    if not torch.cuda.is_available() and (args.device in (None, "cpu")):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .layer import LayerABConfig, run_layer_ab
+
+    cfg = LayerABConfig(
+        out_dir=args.out, ckpt=args.ckpt, layer=args.layer, synthetic=args.synthetic, num_experts=args.experts,
+        hidden_size=args.hidden, intermediate_size=args.intermediate, top_k=args.top_k, tokens=args.tokens,
+        seed=args.seed, activations=args.activations, dtype=args.dtype,
+        arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()), device=args.device, repeats=args.repeats)
+    rep = run_layer_ab(cfg)
+    print(rep.summary_markdown())
+    print(f"report: {args.out / 'report.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `k3nvfp4-ab`; returns the exit status (0 ok, 2 environment/input error)."""
+    parser = argparse.ArgumentParser(prog="k3nvfp4-ab", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_layer(sub)
+    _add_serve(sub)
+    args = parser.parse_args(argv)
+    try:
+        return _serve(args) if args.cmd == "serve" else _layer(args)
+    except ABError as e:
+        print(f"k3nvfp4-ab {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"k3nvfp4-ab {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Layer-level A/B: one NVFP4 MoE layer through every arm on the same routed inputs.
+
+The plain-torch reference always runs; triton_situ and marlin run where they can and are
+otherwise reported "not available: <reason>". Pairs compared: every available arm against
+the reference, and triton_situ against marlin. Outputs: report.json, summary.md,
+error_hist.png, per_expert_error.png in the output directory.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import plots
+from .arms import ARM_NAMES, ArmUnavailable, build_arm
+from .errors import InputError
+from .layer_inputs import (ModelOptExperts, load_activations, load_checkpoint_experts, realistic_routed_inputs,
+                           synthetic_experts)
+from .metrics import PairMetrics, compare_outputs
+from .report import atomic_write_text, fmt, markdown_table, write_json
+
+PAIRS = (("triton_situ", "reference"), ("marlin", "reference"), ("triton_situ", "marlin"))
+
+
+@dataclass
+class LayerABConfig:
+    """Options of `k3nvfp4-ab layer` (see cli.py). ckpt+layer, or synthetic sizes."""
+
+    out_dir: Path | None
+    ckpt: Path | None = None
+    layer: int | None = None
+    synthetic: bool = False
+    num_experts: int | None = None  # synthetic: 8; checkpoint: load the first N experts (None = all)
+    hidden_size: int = 256
+    intermediate_size: int = 128
+    top_k: int | None = None
+    tokens: int = 64
+    seed: int = 0
+    activations: Path | None = None
+    dtype: str = "bfloat16"
+    arms: tuple[str, ...] = ARM_NAMES
+    device: str | None = None
+    repeats: int | None = None
+    plots: bool = True
+
+
+@dataclass
+class ArmResult:
+    name: str
+    status: str  # "ok", "not available: <reason>" or "failed: <error>"
+    times_ms: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    output_rms: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def median_ms(self) -> float | None:
+        return statistics.median(self.times_ms) if self.times_ms else None
+
+
+@dataclass
+class LayerABReport:
+    """Result of one layer A/B; `to_dict()` is report.json, `summary_markdown()` summary.md."""
+
+    setup: dict
+    arms: list[ArmResult]
+    pairs: list[PairMetrics]
+    files: dict = field(default_factory=dict)
+
+    def arm(self, name: str) -> ArmResult:
+        return next(a for a in self.arms if a.name == name)
+
+    def pair(self, a: str, b: str) -> PairMetrics | None:
+        return next((p for p in self.pairs if p.a == a and p.b == b), None)
+
+    def to_dict(self) -> dict:
+        return {"setup": self.setup,
+                "arms": [dict(asdict(a), median_ms=a.median_ms) for a in self.arms],
+                "pairs": [p.to_dict() for p in self.pairs],
+                "definitions": DEFINITIONS, "files": self.files}
+
+    def summary_markdown(self) -> str:
+        s = self.setup
+        lines = [f"# Layer A/B: {s['weights']}", "",
+                 f"tokens {s['tokens']}, top-k {s['top_k']}, E {s['num_experts']}, H {s['hidden_size']}, "
+                 f"I {s['intermediate_size']}, {s['dtype']}, activation {s['activation']}, device {s['device']}",
+                 f"inputs: {s['inputs']}", "", "## Arms", "",
+                 markdown_table(["arm", "status", "median time (ms)", "output RMS"],
+                                [[a.name, a.status, fmt(a.median_ms, ".3f"), fmt(a.output_rms, ".4g")] for a in self.arms])]
+        notes = [f"- {a.name}: {n}" for a in self.arms for n in a.notes]
+        if notes:
+            lines += ["", *notes]
+        lines += ["", "## Errors (a vs baseline b)", ""]
+        if self.pairs:
+            lines.append(markdown_table(
+                ["a", "b", "max abs err", "rel err (norm)", "cosine", "> 2 ulp bf16", "bit-equal", "worst experts (rel err)"],
+                [[p.a, p.b, fmt(p.max_abs_err, ".3e"), fmt(p.rel_err, ".3e"), fmt(p.cosine, ".8f"),
+                  f"{100 * p.beyond_2ulp:.3f}%", f"{100 * p.exact_match:.2f}%",
+                  ", ".join(f"{w.expert}: {w.rel_err:.2e}" for w in p.worst_experts[:3])] for p in self.pairs]))
+        else:
+            lines.append("No pair of available arms to compare.")
+        lines.append("")
+        return "\n".join(lines)
+
+
+DEFINITIONS = {
+    "rel_err": "||a - b||_F / ||b||_F over the whole [M, H] output (b = baseline arm)",
+    "cosine": "<a, b> / (||a|| ||b||) of the flattened outputs",
+    "beyond_2ulp": "share of elements with |a - b| > 2 * ulp_bf16(|b|); ulp_bf16(x) = 2^(floor(log2 x) - 7), "
+                   "2^-133 below bf16's smallest normal",
+    "per_expert": "errors over the output rows of the tokens routed to each expert (tokens count under each of "
+                  "their top-k experts)",
+    "timings": "median wall time of repeated runs after one warm-up on CUDA (torch.cuda.synchronize); on CPU "
+               "the single compared run (interpreter timings are not meaningful)",
+}
+
+
+def _load(cfg: LayerABConfig) -> ModelOptExperts:
+    if cfg.synthetic == (cfg.ckpt is not None):
+        raise InputError("give exactly one of --ckpt DIR (with --layer) or --synthetic")
+    if cfg.synthetic:
+        return synthetic_experts(cfg.num_experts or 8, cfg.hidden_size, cfg.intermediate_size,
+                                 top_k=cfg.top_k or 4, seed=cfg.seed)
+    ex = load_checkpoint_experts(cfg.ckpt, cfg.layer, cfg.num_experts)
+    if cfg.top_k:
+        ex.top_k = cfg.top_k
+    if ex.top_k > ex.num_experts:
+        raise InputError(f"top-k {ex.top_k} > loaded experts {ex.num_experts}; load more experts or pass --top-k")
+    return ex
+
+
+def _time(run, x, tw, ids, device: torch.device, repeats: int) -> tuple[torch.Tensor, list[float]]:
+    cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    out = run(x, tw, ids)  # first call: the output compared (and the warm-up on CUDA)
+    if not cuda:  # one run; only indicative (the interpreter is orders of magnitude slower)
+        return out, [1e3 * (time.perf_counter() - t0)]
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        run(x, tw, ids)
+        torch.cuda.synchronize(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return out, times
+
+
+def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
+    """Run the layer A/B and (when cfg.out_dir is set) write its report files. Raises ABError
+    on input problems (missing checkpoint/layer, bad activation file, unknown arm)."""
+    for a in cfg.arms:
+        if a not in ARM_NAMES:
+            raise InputError(f"--arms: unknown arm {a!r}; choose from {', '.join(ARM_NAMES)}")
+    arms = ("reference",) + tuple(a for a in cfg.arms if a != "reference")  # the reference always runs
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    if cfg.activations is not None and not Path(cfg.activations).is_file():  # fail before loading weights
+        raise InputError(f"--activations: file not found: {cfg.activations}")
+    ex = _load(cfg)
+    if cfg.activations is not None:
+        inp = load_activations(cfg.activations, ex.hidden_size, ex.num_experts, dtype)
+    else:
+        inp = realistic_routed_inputs(cfg.tokens, ex.hidden_size, ex.num_experts, ex.top_k, seed=cfg.seed, dtype=dtype)
+    x, tw, ids = inp.hidden_states.to(device), inp.topk_weights.to(device), inp.topk_ids.to(device)
+    repeats = cfg.repeats if cfg.repeats is not None else (5 if device.type == "cuda" else 1)
+
+    results: list[ArmResult] = []
+    outputs: dict[str, torch.Tensor] = {}
+    for name in arms:
+        try:
+            run, notes = build_arm(name, ex, device, dtype)
+        except ArmUnavailable as e:
+            results.append(ArmResult(name, f"not available: {e}"))
+            continue
+        try:
+            out, times = _time(run, x, tw, ids, device, repeats)
+        except Exception as e:  # noqa: BLE001 - a crashing arm is reported, the others still run
+            if name == "reference":
+                raise
+            results.append(ArmResult(name, f"failed: {type(e).__name__}: {str(e)[:300]}", notes=notes))
+            continue
+        outputs[name] = out
+        results.append(ArmResult(name, "ok", times, notes, float(out.double().pow(2).mean().sqrt())))
+
+    pairs = [compare_outputs(outputs[a], outputs[b], ids, ex.num_experts, name_a=a, name_b=b)
+             for a, b in PAIRS if a in outputs and b in outputs]
+    setup = {"weights": ex.source, "inputs": inp.source, "tokens": int(x.shape[0]), "top_k": int(ids.shape[1]),
+             "num_experts": ex.num_experts, "hidden_size": ex.hidden_size, "intermediate_size": ex.intermediate_size,
+             "dtype": cfg.dtype, "activation": ex.activation, "situ_beta": ex.situ_beta,
+             "situ_linear_beta": ex.situ_linear_beta, "routed_scaling_factor": ex.routed_scaling_factor,
+             "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+             "seed": cfg.seed, "torch": torch.__version__, "python": platform.python_version(),
+             "triton_interpret": device.type != "cuda"}
+    try:
+        import triton
+
+        setup["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rep = LayerABReport(setup, results, pairs)
+    if cfg.out_dir is not None:
+        _write(rep, Path(cfg.out_dir), outputs, ex.num_experts, cfg.plots)
+    return rep
+
+
+def _write(rep: LayerABReport, out: Path, outputs: dict[str, torch.Tensor], num_experts: int, with_plots: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"report": "report.json", "summary": "summary.md"}
+    if with_plots and rep.pairs:
+        series = {f"{p.a} vs {p.b}": (outputs[p.a].double() - outputs[p.b].double()).abs().flatten().cpu().numpy()
+                  for p in rep.pairs}
+        plots.error_histogram(out / "error_hist.png", series, "|a - b| per output element")
+        plots.per_expert_error(out / "per_expert_error.png",
+                               {f"{p.a} vs {p.b}": ([e.expert for e in p.per_expert], [max(e.rel_err, 1e-12) for e in p.per_expert])
+                                for p in rep.pairs}, "per-expert normwise relative error (floored at 1e-12)")
+        files.update(error_hist="error_hist.png", per_expert_error="per_expert_error.png")
+    rep.files = files
+    atomic_write_text(out / "summary.md", rep.summary_markdown())
+    write_json(out / "report.json", rep.to_dict())

@@ -1,0 +1,101 @@
+"""PNG plots of the A/B reports (matplotlib, imported lazily, Agg backend)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    # Atomic like the other report files: render to a temp name, then rename.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+        _plt().close(fig)
+    return path
+
+
+def error_histogram(path: Path, series: dict[str, Sequence[float]], title: str) -> Path:
+    """Histogram of log10 |a-b| per arm pair (zeros drawn at the left edge)."""
+    import numpy as np
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    floor = -12.0
+    for label, vals in series.items():
+        v = np.asarray(vals, dtype=np.float64)
+        logv = np.where(v > 0, np.log10(np.maximum(v, 1e-300)), floor)
+        ax.hist(np.maximum(logv, floor), bins=60, histtype="step", label=label, linewidth=1.4)
+    ax.set_xlabel(f"log10 |a - b| (exact zeros at {floor:g})")
+    ax.set_ylabel("elements")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def per_expert_error(path: Path, series: dict[str, tuple[Sequence[int], Sequence[float]]], title: str) -> Path:
+    """Normwise relative error of the tokens routed to each expert, one line per arm pair."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, (experts, errs) in series.items():
+        ax.plot(list(experts), list(errs), marker=".", linestyle="-", linewidth=0.8, label=label)
+    ax.set_xlabel("expert id")
+    ax.set_ylabel("rel. error of its tokens")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def accuracy_bars(path: Path, arms: Sequence[str], means: Sequence[float], stds: Sequence[float],
+                  trunc: Sequence[float], title: str) -> Path:
+    """pass@1 per arm with +-1 std error bars; truncation rate annotated."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 4))
+    xs = range(len(arms))
+    ax.bar(xs, [100 * m for m in means], yerr=[100 * s for s in stds], capsize=6, color=["#4c72b0", "#dd8452"][: len(arms)])
+    for x, m, s, t in zip(xs, means, stds, trunc):  # label above the error bar
+        ax.text(x, 100 * (m + s) + 2, f"{100*m:.1f}% (sd {100*s:.1f})\ntruncated {100*t:.1f}%",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), list(arms))
+    ax.set_ylabel("pass@1 (%)")
+    ax.set_ylim(0, 125)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def divergence_histogram(path: Path, positions: Sequence[int], identical: int, total: int, title: str) -> Path:
+    """First-divergence token positions of the greedy pass."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    from matplotlib.ticker import MaxNLocator
+
+    if positions:
+        hi = max(positions) + 1
+        width = max(1, -(-hi // 40))  # integer-wide bins, at most 40 of them, starting at token 0
+        ax.hist(list(positions), bins=list(range(0, hi + width, width)), color="#55a868", align="left", rwidth=0.9)
+    else:
+        ax.text(0.5, 0.5, "no divergent prompt", transform=ax.transAxes, ha="center", va="center")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(left=-0.5)
+    ax.set_xlabel("first divergent token position")
+    ax.set_ylabel("prompts")
+    ax.set_title(f"{title}\n{identical}/{total} prompts with identical token streams")
+    return _save(fig, path)

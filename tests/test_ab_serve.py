@@ -1,0 +1,325 @@
+"""Server-level A/B: the stdlib client and the metrics against local chat-completions servers.
+
+Every fake server is a real http.server on 127.0.0.1 (ephemeral port) speaking the OpenAI
+chat-completions API, non-streaming; the expected metric values are computed by hand below.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from k3nvfp4.sglang_ext.ab import cli
+from k3nvfp4.sglang_ext.ab.client import ChatClient, TokenLogprob
+from k3nvfp4.sglang_ext.ab.errors import EndpointDown, EndpointTimeout, MalformedResponse, ServerError
+from k3nvfp4.sglang_ext.ab.prompts import extract_answer, load_prompts, normalize_number
+from k3nvfp4.sglang_ext.ab.serve_metrics import first_divergence, pass_at_1, token_agreement, topk_kl
+
+
+class FakeServer:
+    """Chat-completions server; `respond(payload) -> (status, body, delay_s)`, body a dict or raw bytes."""
+
+    def __init__(self, respond, model="k3-test"):
+        self.respond, self.model, self.payloads = respond, model, []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # keep pytest output clean
+                pass
+
+            def _send(self, status, body):
+                raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": outer.model, "object": "model"}]})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self):
+                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.payloads.append(payload)
+                status, body, delay = outer.respond(payload)
+                if delay:
+                    time.sleep(delay)
+                try:
+                    self._send(status, body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def completion(content, tokens=None, finish="stop", reasoning="thinking about it"):
+    """A chat.completion body; tokens = [(token, logprob, {alt: logprob})]."""
+    choice = {"index": 0, "finish_reason": finish,
+              "message": {"role": "assistant", "content": content, "reasoning_content": reasoning}}
+    if tokens is not None:
+        choice["logprobs"] = {"content": [
+            {"token": t, "logprob": lp, "top_logprobs": [{"token": k, "logprob": v} for k, v in top.items()]}
+            for t, lp, top in tokens]}
+    return {"id": "x", "object": "chat.completion", "choices": [choice],
+            "usage": {"completion_tokens": len(tokens or []) or 3}}
+
+
+PROMPTS = [
+    {"id": "mc-1", "kind": "mc", "question": "Q-one?", "choices": ["a", "b", "c", "d"], "answer": "B"},
+    {"id": "mc-2", "kind": "mc", "question": "Q-two?", "choices": ["a", "b", "c", "d"], "answer": "C"},
+    {"id": "ar-1", "kind": "arith", "question": "What is 17*23?", "answer": "391"},
+]
+
+X = -4.0  # logprob of the runner-up token "x" in the simple positions
+
+
+def pos(tok, lp, **extra):
+    return (tok, lp, {tok: lp, "x": X, **extra})
+
+
+# Greedy (seed 0) token streams; see test_serve_end_to_end for the hand-computed metrics.
+GREEDY = {
+    "marlin": {
+        "Q-one": completion("Answer: B", [pos("Answer", -0.1), pos(":", -0.2), pos(" B", -0.3)]),
+        "Q-two": completion("Answer: C", [pos("Answer", -0.1), pos(":", -0.2), (" C", -0.4, {" C": -0.4, " D": -1.5})]),
+        "17*23": completion("", [("Let", -0.5, {"Let": -0.5})], finish="length"),
+    },
+    "triton_situ": {
+        "Q-one": completion("Answer: B", [pos("Answer", -0.1), pos(":", -0.25), pos(" B", -0.3)]),
+        "Q-two": completion("Answer: D", [pos("Answer", -0.1), pos(":", -0.2), (" D", -0.5, {" D": -0.5, " C": -1.0})]),
+        "17*23": completion("Answer: 391", [("Answer", -0.2, {"Answer": -0.2}), (":", -0.1, {":": -0.1}),
+                                            (" 391", -0.1, {" 391": -0.1})]),
+    },
+}
+SAMPLED = {  # seed 1
+    "marlin": {"Q-one": "Answer: B", "Q-two": "Answer: A", "17*23": "so Answer: 390"},
+    "triton_situ": {"Q-one": "The answer is \\boxed{B}", "Q-two": "Answer: C", "17*23": "Answer: 391"},
+}
+
+
+def arm_responder(arm):
+    def respond(payload):
+        text = payload["messages"][0]["content"]
+        key = next(k for k in GREEDY[arm] if k in text)
+        if payload["temperature"] == 0.0:
+            return 200, GREEDY[arm][key], 0
+        return 200, completion(SAMPLED[arm][key]), 0
+    return respond
+
+
+def test_serve_end_to_end(tmp_path):
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    with FakeServer(arm_responder("marlin")) as sa, FakeServer(arm_responder("triton_situ")) as sb:
+        out = tmp_path / "out"
+        rc = cli.main(["serve", "--arm", f"marlin={sa.url}", "--arm", f"triton_situ={sb.url}/v1", "--prompts",
+                       str(pfile), "--seeds", "2", "--concurrency", "4", "--reasoning-effort", "low",
+                       "--retries", "0", "--no-progress", "--out", str(out)])
+        assert rc == 0
+        greedy_payloads = [p for p in sa.payloads if p["temperature"] == 0.0]
+        sampled_payloads = [p for p in sa.payloads if p["temperature"] != 0.0]
+    assert len(greedy_payloads) == 3 and len(sampled_payloads) == 3
+    g0 = greedy_payloads[0]
+    assert g0["logprobs"] is True and g0["top_logprobs"] == 5 and g0["max_tokens"] == 65536
+    assert g0["stream"] is False and g0["reasoning_effort"] == "low" and g0["model"] == "k3-test" and g0["seed"] == 0
+    s0 = sampled_payloads[0]
+    assert s0["temperature"] == 0.6 and s0["top_p"] == 0.95 and s0["seed"] == 1 and "logprobs" not in s0
+
+    rep = json.loads((out / "report.json").read_text())
+    g = rep["greedy"]
+    # mc-1: same answer; mc-2: C vs D; ar-1: marlin truncated with empty content vs "391".
+    assert g["final_answer_match_rate"] == pytest.approx(1 / 3)
+    # Divergence: mc-1 identical, mc-2 at token 2, ar-1 at token 0.
+    assert g["identical_token_streams"] == 1 and sorted(g["first_divergence_positions"]) == [0, 2]
+    assert g["median_first_divergence"] == 1
+    # Aligned positions 3 + 3 + 1; top-1 agrees at 3 + 2 + 0 of them.
+    assert g["aligned_positions"] == 7 and g["top1_agreement"] == pytest.approx(5 / 7)
+    # |dlogprob|: mc-1 {0, .05, 0}, mc-2 {0, 0, |-0.4 - (-1.0)|}; ar-1 "Let" missing from B's top-k.
+    assert g["mean_abs_dlogprob"] == pytest.approx(0.65 / 6) and g["dlogprob_missing"] == 1
+    # KL by hand at the 3 positions that are not identical distributions (all others are 0).
+    def kl_rest(p, q):  # two-token dicts with their rest bucket, written out independently
+        ps, qs = [math.exp(v) for v in p], [math.exp(v) for v in q]
+        return sum(a * math.log(a / b) for a, b in zip(ps, qs)) + (1 - sum(ps)) * math.log((1 - sum(ps)) / (1 - sum(qs)))
+    k_mc1 = kl_rest([-0.2, X], [-0.25, X])
+    k_mc2 = kl_rest([-0.4, -1.5], [-1.0, -0.5])
+    p, q = math.exp(-0.5), math.exp(-0.2)  # "Let" absent in B: q("Let") = B's smallest returned prob
+    k_ar1 = p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+    assert g["mean_topk_kl"] == pytest.approx((k_mc1 + k_mc2 + k_ar1) / 7, rel=1e-9)
+
+    acc = rep["accuracy"]
+    # marlin: seed 0 -> mc-1 ok, mc-2 ok, ar-1 truncated (2/3); seed 1 -> mc-1 ok, mc-2 wrong, 390 wrong (1/3).
+    am = acc["marlin"]["all_graded"]
+    assert am["per_seed"] == pytest.approx([2 / 3, 1 / 3]) and am["pass@1"] == pytest.approx(0.5)
+    assert am["std"] == pytest.approx(math.sqrt(2 * (1 / 6) ** 2))
+    assert am["truncated_rate"] == pytest.approx(1 / 6) and am["wrong_rate"] == pytest.approx(2 / 6)
+    assert acc["marlin"]["truncation_rate"] == pytest.approx(1 / 6)
+    assert acc["marlin"]["mc"]["pass@1"] == pytest.approx(0.75)
+    # triton_situ: seed 0 -> 2/3 (D wrong), seed 1 -> 3/3 (boxed B extracted).
+    at = acc["triton_situ"]["all_graded"]
+    assert at["per_seed"] == pytest.approx([2 / 3, 1.0]) and at["pass@1"] == pytest.approx(5 / 6)
+    assert at["truncated_rate"] == 0.0 and acc["triton_situ"]["truncation_rate"] == 0.0
+
+    md = (out / "summary.md").read_text()
+    assert "| final-answer match rate | 0.333 |" in md and "| marlin | all_graded | 3 | 50.00 | 23.57 |" in md
+    for png in ("accuracy.png", "divergence_hist.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [json.loads(l) for l in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and {r["reasoning_content"] for r in rows} == {"thinking about it"}
+
+
+def test_retries_after_500_then_success():
+    calls = []
+
+    def respond(payload):
+        calls.append(time.perf_counter())
+        if len(calls) <= 2:
+            return 500, {"error": "overloaded"}, 0
+        return 200, completion("Answer: 7"), 0
+
+    with FakeServer(respond) as s:
+        c = ChatClient("a", s.url, retries=2, backoff_s=0.05, timeout_s=5)
+        comp = c.chat({"model": "m", "messages": []})
+    assert comp.content == "Answer: 7" and len(calls) == 3
+    # Exponential backoff: waits of >= 0.05 s then >= 0.1 s.
+    assert calls[1] - calls[0] >= 0.05 and calls[2] - calls[1] >= 0.1
+
+
+def test_5xx_exhausts_retries_clear_message():
+    with FakeServer(lambda p: (503, b"busy", 0)) as s:
+        with pytest.raises(ServerError, match=r"HTTP 503 after 2 attempt\(s\): busy"):
+            ChatClient("marlin", s.url, retries=1, backoff_s=0.01).chat({"messages": []})
+        assert len(s.payloads) == 2
+
+
+@pytest.mark.parametrize("body, pattern", [
+    (b"<html>oops</html>", "response is not JSON"),
+    ({"object": "chat.completion"}, "no non-empty 'choices' list"),
+    ({"choices": [{"index": 0}]}, "choices\\[0\\] has no 'message'"),
+])
+def test_malformed_responses(body, pattern):
+    with FakeServer(lambda p: (200, body, 0)) as s:
+        with pytest.raises(MalformedResponse, match=pattern):
+            ChatClient("triton_situ", s.url, retries=3, backoff_s=0.01).chat({"messages": []})
+        assert len(s.payloads) == 1  # a malformed 200 is not retried
+
+
+def test_slow_response_times_out():
+    with FakeServer(lambda p: (200, completion("Answer: 1"), 1.5)) as s:
+        t0 = time.perf_counter()
+        with pytest.raises(EndpointTimeout, match="no answer within --timeout 0.2 s"):
+            ChatClient("a", s.url, retries=0, timeout_s=0.2).chat({"messages": []})
+        assert time.perf_counter() - t0 < 1.2
+
+
+def _free_port():
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def test_endpoint_down_cli_exit_code(tmp_path, capsys):
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(EndpointDown, match="cannot connect"):
+        ChatClient("marlin", url, retries=0).models()
+    rc = cli.main(["serve", "--arm", f"marlin={url}", "--arm", f"triton_situ={url}", "--retries", "1",
+                   "--backoff", "0.01", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "arm 'marlin'" in err and "cannot connect" in err and "is the server running?" in err
+    assert not (tmp_path / "o" / "report.json").exists()
+
+
+def test_malformed_mid_run_cli_exit_code(tmp_path, capsys):
+    with FakeServer(lambda p: (200, completion("Answer: B"), 0)) as sa, FakeServer(lambda p: (200, {"oops": 1}, 0)) as sb:
+        rc = cli.main(["serve", "--arm", f"marlin={sa.url}", "--arm", f"triton_situ={sb.url}", "--limit", "2",
+                       "--no-progress", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "arm 'triton_situ'" in err and "no non-empty 'choices'" in err
+
+
+def test_print_launch(capsys):
+    assert cli.main(["serve", "--print-launch", "--model-path", "/m/k3-nvfp4", "--tp", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "--moe-runner-backend marlin --port 30000" in out
+    assert "--moe-runner-backend triton_situ --port 30001" in out
+    assert out.count("--model-path /m/k3-nvfp4 ") == 2 and out.count("--tp-size 16") == 2
+
+
+def test_first_divergence_and_agreement_units():
+    assert first_divergence(list("abc"), list("abc")) is None
+    assert first_divergence(list("abc"), list("abd")) == 2
+    assert first_divergence(list("ab"), list("abc")) == 2
+    a = [TokenLogprob("a", -0.1, {"a": -0.1}), TokenLogprob("b", -1.0, {"b": -1.0, "c": -2.0})]
+    b = [TokenLogprob("a", -0.3, {"a": -0.3}), TokenLogprob("c", -0.5, {"c": -0.5, "b": -1.5})]
+    ag = token_agreement(a, b)
+    assert ag.first_divergence == 1 and ag.aligned == 2 and ag.top1_agree == 1
+    assert ag.dlogprob_sum == pytest.approx(0.2 + 0.5) and ag.dlogprob_n == 2
+
+
+def test_topk_kl_hand_values():
+    assert topk_kl({"a": math.log(0.5), "b": math.log(0.5)}, {"a": math.log(0.5), "b": math.log(0.5)}) == 0.0
+    # Full mass on {a, b} both sides: the plain KL of (0.5, 0.5) vs (0.25, 0.75).
+    kl = topk_kl({"a": math.log(0.5), "b": math.log(0.5)}, {"a": math.log(0.25), "b": math.log(0.75)})
+    assert kl == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(0.5 / 0.75), rel=1e-12)
+
+
+def test_pass_at_1_std():
+    m, s = pass_at_1([0.9, 0.8, 1.0])
+    assert m == pytest.approx(0.9) and s == pytest.approx(0.1)
+    assert pass_at_1([0.7]) == (0.7, 0.0)
+
+
+@pytest.mark.parametrize("content, kind, expected", [
+    ("Reasoning... Answer: A\nWait, no. Answer: C", "mc", "C"),
+    ("**Answer:** (B)", "mc", "B"),
+    ("so \\boxed{D}", "mc", "D"),
+    ("Answer: E", "mc", None),  # not one of 4 choices
+    ("Answer: 1,234", "arith", "1234"),
+    ("the answer is 42.0.", "arith", "42"),
+    ("\\boxed{-17}", "arith", "-17"),
+    ("", "arith", None),
+    (None, "mc", None),
+])
+def test_extract_answer(content, kind, expected):
+    assert extract_answer(content, kind, 4) == expected
+
+
+def test_default_prompt_set_ships_and_is_consistent():
+    ps = load_prompts(None)
+    assert len(ps) == 32 and {p.kind for p in ps} == {"mc", "arith"}
+    for p in ps:
+        if p.kind == "arith":  # recompute each arithmetic answer from its question
+            expr = p.text.split("What is ", 1)[1].split("?", 1)[0] if "What is" in p.text else None
+            if expr:
+                assert normalize_number(str(eval(expr))) == p.answer  # noqa: S307 - our own data file
+        else:
+            assert p.answer in "ABCD" and p.num_choices == 4
+
+
+def test_prompt_file_errors(tmp_path):
+    from k3nvfp4.sglang_ext.ab.errors import InputError
+
+    with pytest.raises(InputError, match="file not found"):
+        load_prompts(tmp_path / "nope.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "choices": ["a", "b"], "answer": "C"}\n')
+    with pytest.raises(InputError, match="line 1: mc 'answer' must be one of AB"):
+        load_prompts(bad)
