@@ -1,0 +1,278 @@
+"""HookRegistry hooks on SGLang's ModelOptNvFp4FusedMoEMethod (no sglang file is edited).
+
+Every hook is an AROUND hook that calls SGLang's original through ``original_fn`` and changes
+behaviour only for:
+- backend ``triton_situ``: lift the Blackwell-only check (SM80+), skip the placeholder
+  swizzled scales, keep the checkpoint's linear block scales and build ``NVFP4MoEWeights``
+  once after loading, route ``apply`` to the runner core;
+- backend ``marlin`` with activation ``situ``: let ``apply`` past SGLang 0.5.23's activation
+  assert (marlin's fused path supports gated SiTU and forwards gemm1_alpha/clamp_limit).
+Every other backend and quantization method runs SGLang's code unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from . import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+
+_METHOD = "sglang.srt.layers.quantization.modelopt_quant.ModelOptNvFp4FusedMoEMethod"
+# Attribute of the FusedMoE layer holding the kernels' weights after loading.
+WEIGHTS_ATTR = "k3nvfp4_moe_weights"
+# NVFP4: one e4m3 scale per 16 elements along K of both GEMMs.
+NVFP4_BLOCK = 16
+# ModelOpt parameter names the kernels read (gate/up scale_2 kept as [E, 2]).
+_MODELOPT_PARAMS = (
+    "w13_weight",
+    "w13_weight_scale",
+    "w13_weight_scale_2",
+    "w2_weight",
+    "w2_weight_scale",
+    "w2_weight_scale_2",
+)
+
+_logged_active = False
+
+
+def is_triton_situ(backend: Any) -> bool:
+    """Whether a MoeRunnerBackend(-like) value or name is this plugin's backend."""
+    return backend is not None and getattr(backend, "value", backend) == BACKEND_NAME
+
+
+def _selected_backend(method: Any) -> Any:
+    """The backend the method runs with: cached by create_moe_runner, else the global choice."""
+    cached = getattr(method, "_moe_runner_backend", None)
+    if cached is not None:
+        return cached
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    return get_moe_runner_backend()
+
+
+def check_device_supported() -> None:
+    """triton_situ needs SM80+ (bf16 tensor cores); without CUDA only the Triton interpreter."""
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 0):
+            raise ValueError(
+                f"--moe-runner-backend {BACKEND_NAME} needs an SM80+ GPU "
+                f"(Ampere, Hopper, Blackwell); this GPU is sm{capability[0]}{capability[1]}"
+            )
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"--moe-runner-backend {BACKEND_NAME} needs a CUDA GPU "
+            "(or TRITON_INTERPRET=1 to run the kernels on CPU for testing)"
+        )
+
+
+# --- __init__ ---------------------------------------------------------------------------
+
+
+def init_hook(original_fn, self, quant_config, *args, **kwargs):
+    """SGLang allows NVFP4 MoE off Blackwell only for marlin; triton_situ runs on SM80+."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    if not is_triton_situ(get_moe_runner_backend()):
+        return original_fn(self, quant_config, *args, **kwargs)
+    check_device_supported()
+    from sglang.srt.runtime_context import get_platform, override_platform
+
+    if get_platform().is_blackwell:
+        return original_fn(self, quant_config, *args, **kwargs)
+    # SGLang's scoped platform override, held only for the constructor's capability check.
+    with override_platform(is_blackwell=True):
+        return original_fn(self, quant_config, *args, **kwargs)
+
+
+# --- create_weights ---------------------------------------------------------------------
+
+
+def check_shard_shapes(hidden_size: int, intermediate_size_per_partition: int, layer: Any) -> None:
+    """Clear errors for shapes NVFP4 blocks cannot tile (before any weight is loaded)."""
+    tp_size = getattr(layer, "moe_tp_size", 1)
+    if intermediate_size_per_partition % NVFP4_BLOCK:
+        raise ValueError(
+            f"--moe-runner-backend {BACKEND_NAME}: the MoE intermediate size per rank is "
+            f"{intermediate_size_per_partition} (moe_intermediate_size / moe tp size "
+            f"{tp_size}); it must be a multiple of {NVFP4_BLOCK}. Use a smaller --tp-size "
+            "or expert parallelism (--ep-size) for this model."
+        )
+    if hidden_size % NVFP4_BLOCK:
+        raise ValueError(
+            f"--moe-runner-backend {BACKEND_NAME}: MoE hidden size {hidden_size} must be a "
+            f"multiple of {NVFP4_BLOCK}"
+        )
+
+
+def create_weights_hook(
+    original_fn,
+    self,
+    layer,
+    num_experts,
+    hidden_size,
+    intermediate_size_per_partition,
+    params_dtype,
+    **extra_weight_attrs,
+):
+    """Validate the shard and drop SGLang's swizzled-scale placeholders (unused here)."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    if not is_triton_situ(get_moe_runner_backend()):
+        return original_fn(
+            self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+            **extra_weight_attrs,
+        )
+    check_shard_shapes(hidden_size, intermediate_size_per_partition, layer)
+    result = original_fn(
+        self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+        **extra_weight_attrs,
+    )
+    # Kept until process_weights_after_loading they would cost ~1/8 of the expert bytes.
+    layer.w13_blockscale_swizzled = None
+    layer.w2_blockscale_swizzled = None
+    return result
+
+
+# --- process_weights_after_loading ------------------------------------------------------
+
+
+def _storages(obj: Any) -> set[int]:
+    """Data pointers of every tensor reachable from a (dataclass-like) weights object."""
+    tensors = []
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+    elif hasattr(obj, "__dict__"):
+        for value in vars(obj).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, (list, tuple)):
+                tensors.extend(v for v in value if isinstance(v, torch.Tensor))
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+def build_layer_weights(layer: Any) -> Any:
+    """NVFP4MoEWeights from the layer's loaded ModelOpt tensors (linear block scales)."""
+    from k3nvfp4.kernels import NVFP4MoEWeights
+
+    w13_scale_2 = layer.w13_weight_scale_2.data
+    if w13_scale_2.dim() == 1:  # checkpoints with one scale_2 shared by w1 and w3
+        w13_scale_2 = w13_scale_2[:, None].expand(-1, 2)
+    return NVFP4MoEWeights.from_modelopt(
+        layer.w13_weight.data,
+        layer.w13_weight_scale.data,
+        w13_scale_2.contiguous(),
+        layer.w2_weight.data,
+        layer.w2_weight_scale.data,
+        layer.w2_weight_scale_2.data,
+    )
+
+
+def prepare_layer_for_triton_situ(layer: Any) -> Any:
+    """Replaces SGLang's NVFP4 post-load processing for triton_situ; returns the weights."""
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    if getattr(layer, "inference_moe_w13_interleaved", False):
+        raise NotImplementedError(
+            f"{BACKEND_NAME}: interleaved w13 checkpoints are not supported (gate rows, then up rows)"
+        )
+    if get_moe_a2a_backend().is_megamoe():
+        raise NotImplementedError(f"{BACKEND_NAME} does not run under the MegaMoE a2a backend")
+    if not layer.moe_runner_config.is_gated:
+        raise NotImplementedError(f"{BACKEND_NAME} runs gated MoE only")
+
+    weights = build_layer_weights(layer)
+    setattr(layer, WEIGHTS_ATTR, weights)
+    layer.w13_blockscale_swizzled = None
+    layer.w2_blockscale_swizzled = None
+    # If the kernels' layout is a repacked copy, the checkpoint-layout tensors are dead weight.
+    kept = _storages(weights)
+    for name in _MODELOPT_PARAMS:
+        param = getattr(layer, name, None)
+        if isinstance(param, torch.Tensor) and param.numel():
+            if param.untyped_storage().data_ptr() not in kept:
+                param.data = param.data.new_empty((0,) * param.dim())
+    _log_active_once(layer, weights)
+    return weights
+
+
+def _log_active_once(layer: Any, weights: Any) -> None:
+    """One INFO line per process at load: the backend is active, with shapes and layout."""
+    global _logged_active
+    if _logged_active:
+        return
+    _logged_active = True
+    config = layer.moe_runner_config
+    logger.info(
+        "k3nvfp4: MoE runner backend %s active: %d local of %d experts, hidden %d, "
+        "intermediate/rank %d, moe tp %d/ep %d, activation %s (beta=%s, linear_beta=%s), "
+        "layout %s w13 %s + w2 %s uint8 e2m1, linear e4m3 block-16 scales, gate/up scale_2 "
+        "separate, on %s",
+        BACKEND_NAME,
+        layer.num_local_experts,
+        layer.num_experts,
+        config.hidden_size,
+        config.intermediate_size_per_partition,
+        getattr(layer, "moe_tp_size", 1),
+        getattr(layer, "moe_ep_size", 1),
+        config.activation,
+        config.gemm1_alpha,
+        config.gemm1_clamp_limit,
+        type(weights).__name__,
+        list(weights.w13.shape),
+        list(weights.w2.shape),
+        weights.w13.device,
+    )
+
+
+def process_weights_hook(original_fn, self, layer):
+    if not is_triton_situ(_selected_backend(self)):
+        return original_fn(self, layer)
+    prepare_layer_for_triton_situ(layer)
+    return None
+
+
+# --- apply ------------------------------------------------------------------------------
+
+
+def apply_hook(original_fn, self, layer, dispatch_output):
+    backend = _selected_backend(self)
+    activation = self.moe_runner_config.activation
+    if is_triton_situ(backend):
+        from .runner import SUPPORTED_ACTIVATIONS, TritonSituMoeQuantInfo
+
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"{BACKEND_NAME} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}"
+            )
+        weights = getattr(layer, WEIGHTS_ATTR, None)
+        if weights is None:
+            raise RuntimeError(
+                f"{BACKEND_NAME}: layer {getattr(layer, 'layer_name', '?')!r} has no NVFP4 "
+                "kernel weights; process_weights_after_loading did not run"
+            )
+        return self.runner.run(dispatch_output, TritonSituMoeQuantInfo(weights=weights))
+    if (
+        backend is not None
+        and backend.is_marlin()
+        and activation == "situ"
+        and not getattr(layer, "_mega_moe_nvfp4", False)
+    ):
+        # SGLang 0.5.23 asserts the activation before its per-backend dispatch; marlin's own
+        # check accepts gated situ. This is SGLang's marlin branch of apply, unchanged.
+        quant_info = self.get_marlin_quant_info(layer)
+        return self.runner.run(dispatch_output, quant_info)
+    return original_fn(self, layer, dispatch_output)
+
+
+HOOKS = (
+    (f"{_METHOD}.__init__", init_hook),
+    (f"{_METHOD}.create_weights", create_weights_hook),
+    (f"{_METHOD}.process_weights_after_loading", process_weights_hook),
+    (f"{_METHOD}.apply", apply_hook),
+)

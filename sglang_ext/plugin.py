@@ -1,0 +1,59 @@
+"""What :func:`k3nvfp4.sglang_ext.register` does in each SGLang process.
+
+1. ``--moe-runner-backend triton_situ``: the argparse choice (add_moe_runner_backend_choices)
+   and the runner-core factory (register_moe_runner_core).
+2. HookRegistry AROUND hooks on ModelOptNvFp4FusedMoEMethod (see hooks.py); SGLang's
+   ``load_plugins()`` applies them right after the plugins ran.
+3. ``K3NVFP4_LOAD_TIMEOUT_S`` -> SGLang's unbalanced-loading timeout (see load_timeout.py).
+
+SGLANG_PLUGINS filtering is SGLang's: ``load_plugins_by_group`` skips entry points whose
+name is not listed, so this function never runs for an excluded plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+
+
+def register() -> None:
+    """Register the backend, its hooks and the load timeout; idempotent."""
+    global _registered
+    if _registered:
+        return
+    from .load_timeout import LoadTimeoutError, apply_load_timeout
+
+    # A bad timeout must stop the launch: load_plugins() logs and swallows Exceptions.
+    try:
+        timeout_s = apply_load_timeout()
+    except LoadTimeoutError as err:
+        raise SystemExit(f"k3nvfp4 SGLang plugin: {err}") from None
+
+    from sglang.srt.layers.moe.moe_runner.runner import (
+        _CUSTOM_RUNNER_CORE_FACTORIES,
+        register_moe_runner_core,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
+
+    from .hooks import HOOKS
+    from .runner import make_runner_core
+
+    # add_moe_runner_backend_choices is list.extend: guard it to stay idempotent.
+    if BACKEND_NAME not in MOE_RUNNER_BACKEND_CHOICES:
+        add_moe_runner_backend_choices([BACKEND_NAME])
+    if BACKEND_NAME not in _CUSTOM_RUNNER_CORE_FACTORIES:
+        register_moe_runner_core(BACKEND_NAME, make_runner_core)
+    for target, hook in HOOKS:
+        HookRegistry.register(target, hook, HookType.AROUND)
+    _registered = True
+    logger.info(
+        "k3nvfp4: registered --moe-runner-backend %s%s",
+        BACKEND_NAME,
+        "" if timeout_s is None else f"; UNBALANCED_MODEL_LOADING_TIMEOUT_S={timeout_s:g}",
+    )

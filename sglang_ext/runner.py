@@ -1,0 +1,156 @@
+"""The ``triton_situ`` MoE runner core: SGLang's dispatch output -> k3nvfp4.kernels.fused_moe_nvfp4.
+
+A ``DispatchMoeRunnerCore`` receives the standard dispatcher's output directly (hidden states
+plus top-k ids/weights). Under expert parallelism SGLang's StandardDispatcher has already mapped
+global expert ids to this rank's local ids, with -1 for experts on other ranks - the convention
+``fused_moe_nvfp4`` takes. Under tensor parallelism the weights are this rank's shard of the
+intermediate dimension; the partial sums are reduced by SGLang after combine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.layers.moe.moe_runner.base import (
+    DispatchMoeRunnerCore,
+    MoeQuantInfo,
+    MoeRunnerConfig,
+)
+from sglang.srt.layers.moe.utils import MoeRunnerBackendLike, resolve_moe_runner_backend
+
+from . import BACKEND_NAME
+
+SUPPORTED_ACTIVATIONS = ("situ", "silu")
+# SGLang's own default when gemm1_alpha is unset (SituAndMul / moe_forward_native).
+DEFAULT_SITU_BETA = 4.0
+
+
+@dataclass
+class TritonSituMoeQuantInfo(MoeQuantInfo):
+    """What the runner needs from the layer: its NVFP4 expert weights (this rank's shard)."""
+
+    weights: Any  # k3nvfp4.kernels.NVFP4MoEWeights
+
+
+@dataclass(frozen=True)
+class SituParams:
+    """Activation arguments of ``fused_moe_nvfp4`` derived from SGLang's MoeRunnerConfig."""
+
+    activation: str
+    situ_beta: float
+    situ_linear_beta: float | None
+
+
+def situ_params_from_config(config: MoeRunnerConfig) -> SituParams:
+    """Map MoeRunnerConfig (gemm1_alpha = beta, gemm1_clamp_limit = linear_beta) to kernel args."""
+    if not config.is_gated:
+        raise NotImplementedError(f"{BACKEND_NAME} runs gated MoE only (got is_gated=False)")
+    activation = config.activation
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(
+            f"{BACKEND_NAME} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}"
+        )
+    if config.gemm1_beta is not None or config.swiglu_limit is not None:
+        raise NotImplementedError(
+            f"{BACKEND_NAME} does not implement gemm1_beta/swiglu_limit "
+            f"(got {config.gemm1_beta=}, {config.swiglu_limit=})"
+        )
+    if activation == "silu":
+        if config.gemm1_alpha is not None or config.gemm1_clamp_limit is not None:
+            # SGLang treats silu + alpha/limit as the GPT-OSS SwiGLU variant.
+            raise NotImplementedError(
+                f"{BACKEND_NAME} implements plain SiLU-and-mul; SwiGLU with gemm1_alpha/"
+                "gemm1_clamp_limit is not supported"
+            )
+        return SituParams("silu", DEFAULT_SITU_BETA, None)
+    beta = DEFAULT_SITU_BETA if config.gemm1_alpha is None else float(config.gemm1_alpha)
+    linear_beta = None if config.gemm1_clamp_limit is None else float(config.gemm1_clamp_limit)
+    return SituParams("situ", beta, linear_beta)
+
+
+def routed_scaling_factor_for_runner(config: MoeRunnerConfig) -> float | None:
+    """The factor the runner must apply itself: None when TopK already folded it in.
+
+    SGLang folds routed_scaling_factor into the top-k weights for ModelOpt NVFP4 layers on
+    every non-marlin runner (``FusedMoE.should_fuse_routed_scaling_factor_in_topk``).
+    """
+    factor = config.routed_scaling_factor
+    if factor is None:
+        return None
+    layer = config.layer
+    if layer is not None and getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False):
+        return None
+    return float(factor)
+
+
+class TritonSituRunnerCore(DispatchMoeRunnerCore):
+    """Runs one MoE layer with the fused NVFP4 Triton kernels (W4A16)."""
+
+    def __init__(self, config: MoeRunnerConfig):
+        super().__init__(config)
+        if config.apply_router_weight_on_input:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support apply_router_weight_on_input")
+        if config.no_combine:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support no_combine")
+        # Fail at model construction, not at the first forward.
+        self.situ = situ_params_from_config(config)
+
+    @property
+    def runner_backend(self) -> MoeRunnerBackendLike:
+        return resolve_moe_runner_backend(BACKEND_NAME)
+
+    def run_from_dispatch(
+        self,
+        dispatch_output: Any,
+        quant_info: TritonSituMoeQuantInfo,
+        runner_config: MoeRunnerConfig,
+        hooks: Any = None,
+    ) -> Any:
+        from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
+
+        from k3nvfp4.kernels import fused_moe_nvfp4
+
+        if hooks is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} does not support MoE LoRA hooks")
+        if not isinstance(quant_info, TritonSituMoeQuantInfo):
+            raise TypeError(f"{BACKEND_NAME} expects TritonSituMoeQuantInfo, got {type(quant_info).__name__}")
+        if getattr(dispatch_output, "hidden_states_scale", None) is not None:
+            raise NotImplementedError(f"{BACKEND_NAME} takes unquantized activations (no FP4 dispatch)")
+        topk_output = dispatch_output.topk_output
+        if not hasattr(topk_output, "topk_ids"):
+            raise NotImplementedError(
+                f"{BACKEND_NAME} needs the standard top-k output, got {type(topk_output).__name__}"
+            )
+        hidden_states = dispatch_output.hidden_states
+        situ = situ_params_from_config(runner_config)
+        out = fused_moe_nvfp4(
+            hidden_states,
+            quant_info.weights,
+            topk_output.topk_weights.to(torch.float32),
+            topk_output.topk_ids,
+            activation=situ.activation,
+            situ_beta=situ.situ_beta,
+            situ_linear_beta=situ.situ_linear_beta,
+            routed_scaling_factor=routed_scaling_factor_for_runner(runner_config),
+        )
+        return StandardCombineInput(hidden_states=out)
+
+
+def make_runner_core(config: MoeRunnerConfig) -> TritonSituRunnerCore:
+    """Factory given to ``register_moe_runner_core``.
+
+    Only ModelOpt NVFP4 MoE layers can feed this runner; a layer of another quantization
+    method that follows the global backend choice is refused here, at model construction.
+    """
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
+
+    layer = config.layer
+    method = getattr(layer, "quant_method", None)
+    if layer is not None and not isinstance(method, ModelOptNvFp4FusedMoEMethod):
+        raise ValueError(
+            f"--moe-runner-backend {BACKEND_NAME} serves ModelOpt NVFP4 MoE layers only; "
+            f"layer {getattr(layer, 'layer_name', '?')!r} uses {type(method).__name__}"
+        )
+    return TritonSituRunnerCore(config)
