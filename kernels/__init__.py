@@ -12,3 +12,16 @@ __all__ = [
     "cast_expert",
     "cast_mxfp4_to_nvfp4",
 ]
+
+# Fused NVFP4 gated MoE (helper "moe").
+from .moe import MoEConfig, NVFP4MoEWeights, fused_moe_nvfp4, fused_moe_nvfp4_reference  # noqa: E402
+from .situ import situ_and_mul, silu_and_mul  # noqa: E402
+
+__all__ += [
+    "MoEConfig",
+    "NVFP4MoEWeights",
+    "fused_moe_nvfp4",
+    "fused_moe_nvfp4_reference",
+    "situ_and_mul",
+    "silu_and_mul",
+]

@@ -1,0 +1,224 @@
+"""Launch configurations of the fused NVFP4 MoE kernels, and the tuned-config lookup.
+
+Knobs of :class:`MoEConfig` (the tuner's search space; every field is a real kernel knob):
+
+- ``block_m``      tokens per program. Also the routing alignment: each expert's token list is
+                   padded to a multiple of ``block_m``. Shared by GEMM1 and GEMM2. {16, 32, 64, 128}.
+- ``swap_ab``      put tokens on the MMA N side (compute W @ X^T): the weight rows fill the MMA M
+                   side (>= 64 on Hopper wgmma) while a tiny per-expert token count sits on N (16).
+                   Use for decode (block_m <= 32). Both GEMMs.
+- ``block_n1``     GEMM1 output columns per program, per half: the program computes gate AND up
+                   for these columns (2 * block_n1 weight rows). {16, 32, 64, 128}.
+- ``block_k1``     GEMM1 reduction step over H (a multiple of 32: 16 packed bytes per row).
+                   {32, 64, 128, 256}.
+- ``split_k1``     GEMM1 split over H. > 1 writes fp32 partial sums [split_k1, pad, 2I] and runs
+                   the activation in a small second kernel (deterministic sum). {1, 2, 4, 8}.
+- ``num_warps1``, ``num_stages1``: Triton launch knobs of GEMM1.
+- ``block_n2``     GEMM2 output columns (of H) per program. {16, 32, 64, 128, 256}.
+- ``block_k2``     GEMM2 reduction step over I (a multiple of 32). {32, 64, 128, 256}.
+- ``split_k2``     GEMM2 split over I; > 1 forces fp32 atomics (summation order not fixed).
+- ``num_warps2``, ``num_stages2``: Triton launch knobs of GEMM2.
+- ``atomic_reduce`` GEMM2 reduction over top-k: False = each (token, slot) row is stored to an
+                   fp32 [M*k, H] buffer, summed over k afterwards (deterministic, bitwise
+                   reproducible); True = fp32 atomic adds into [M, H] (less memory traffic at
+                   large M / expert parallelism; summation order not fixed).
+
+Tuned configs are JSON files named in the style of SGLang's fused_moe_triton configs::
+
+    E={E},N={I},H={H},device_name={device_name},dtype=nvfp4.json
+
+(``N`` is the per-shard intermediate size I, as in SGLang), mapping batch sizes (string
+keys, e.g. "1", "64") to MoEConfig field dicts. They are read from the directory in
+``K3NVFP4_MOE_CONFIG_DIR`` when set, else from ``kernels/configs/`` of this package.
+:func:`get_moe_config` takes the config of the nearest tuned batch size (in log space,
+and only within 4x of M), else :func:`heuristic_moe_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+from dataclasses import dataclass
+
+CONFIG_DIR_ENV = "K3NVFP4_MOE_CONFIG_DIR"
+DEFAULT_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+# H200: 132 SMs. Used only by the heuristic to decide when the grid is too small.
+_DEFAULT_NUM_SMS = 132
+# Above this size of the deterministic path's fp32 [M*k, H] buffer the heuristic reduces with atomics.
+# A tuned batch size further than this factor from M is not trusted for M.
+_MAX_TUNED_DISTANCE = 4
+_MAX_PAIR_BUFFER_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Block sizes and launch knobs of the two MoE GEMMs (see the module docstring)."""
+
+    block_m: int = 16
+    swap_ab: bool = True
+    block_n1: int = 64
+    block_k1: int = 128
+    split_k1: int = 1
+    num_warps1: int = 4
+    num_stages1: int = 3
+    block_n2: int = 64
+    block_k2: int = 128
+    split_k2: int = 1
+    num_warps2: int = 4
+    num_stages2: int = 3
+    atomic_reduce: bool = False
+
+    def __post_init__(self) -> None:
+        def pow2(name: str, lo: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo or v & (v - 1):
+                raise ValueError(f"MoEConfig.{name}={v!r}: must be a power of two >= {lo}")
+
+        pow2("block_m", 16)
+        pow2("block_n1", 16)
+        pow2("block_n2", 16)
+        pow2("block_k1", 32)  # two nibble planes of >= 16 elements each feed tl.dot
+        pow2("block_k2", 32)
+        pow2("split_k1", 1)
+        pow2("split_k2", 1)
+        pow2("num_warps1", 1)
+        pow2("num_warps2", 1)
+        for name in ("num_stages1", "num_stages2"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoEConfig.{name}={v!r}: must be an int >= 1")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"MoEConfig: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+        return cls(**d)
+
+
+@functools.lru_cache(maxsize=16)
+def current_device_name(device=None) -> str:
+    """CUDA device name as used in config file names (spaces -> '_', like SGLang), or 'cpu'."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def config_file_name(E: int, H: int, I: int, device_name: str) -> str:
+    """File name of the tuned configs of one shape on one device (SGLang style)."""
+    return f"E={E},N={I},H={H},device_name={device_name},dtype=nvfp4.json"
+
+
+def config_dir() -> pathlib.Path:
+    """Directory searched for tuned configs: $K3NVFP4_MOE_CONFIG_DIR, else kernels/configs/."""
+    env = os.environ.get(CONFIG_DIR_ENV)
+    return pathlib.Path(env) if env else DEFAULT_CONFIG_DIR
+
+
+@functools.lru_cache(maxsize=256)
+def _load_configs_cached(path: str, mtime_ns: int) -> dict[int, MoEConfig]:
+    with open(path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object mapping batch sizes to configs")
+    out: dict[int, MoEConfig] = {}
+    for key, value in raw.items():
+        try:
+            m = int(key)
+        except ValueError as e:
+            raise ValueError(f"{path}: key {key!r} is not a batch size") from e
+        try:
+            out[m] = MoEConfig.from_dict(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: batch size {key}: {e}") from e
+    return out
+
+
+def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -> dict[int, MoEConfig] | None:
+    """Tuned configs {batch size: MoEConfig} of a shape and device, or None when no file exists."""
+    path = pathlib.Path(directory) if directory is not None else config_dir()
+    path = path / config_file_name(E, H, I, device_name)
+    if not path.is_file():
+        return None
+    return _load_configs_cached(str(path), path.stat().st_mtime_ns)
+
+
+def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: int = _DEFAULT_NUM_SMS) -> MoEConfig:
+    """Default config when nothing is tuned.
+
+    - block_m from the mean tokens per expert (M * top_k / E): 16 up to 16, 32 up to 64, 64 up to
+      256, else 128; swap_ab (tokens on the MMA N side) when block_m <= 32.
+    - block_n1 = 64 (128 weight rows: gate + up), block_n2 = 64 (128 when block_m >= 64);
+      block_k = 128 (64 packed bytes per row: 16-byte vector loads).
+    - split-K when the expected number of programs (active experts x column tiles) is below
+      2 x num_sms: enough K slices to reach it, capped at 8 and at K / block_k.
+    - atomic_reduce (fp32 atomics into [M, H]) when GEMM2 is split over K or when the
+      deterministic path's fp32 [M*k, H] buffer would exceed 512 MiB (large prefill batches);
+      the deterministic store path otherwise.
+    """
+    pairs = max(M * top_k, 1)
+    per_expert = pairs / max(E, 1)
+    if per_expert <= 16:
+        block_m = 16
+    elif per_expert <= 64:
+        block_m = 32
+    elif per_expert <= 256:
+        block_m = 64
+    else:
+        block_m = 128
+    active_blocks = min(E, pairs) + pairs // block_m
+    block_n1, block_k1 = 64, 128
+    block_n2 = 128 if block_m >= 64 else 64
+    block_k2 = 128
+
+    def split(k_dim: int, block_k: int, tiles: int) -> int:
+        s = 1
+        while tiles * s < 2 * num_sms and s < 8 and (s * 2) * block_k <= k_dim:
+            s *= 2
+        return s
+
+    split_k1 = split(H, block_k1, active_blocks * -(-I // block_n1))
+    split_k2 = split(I, block_k2, active_blocks * -(-H // block_n2))
+    warps = 4 if block_m <= 32 else 8
+    return MoEConfig(
+        block_m=block_m,
+        swap_ab=block_m <= 32,
+        block_n1=block_n1,
+        block_k1=block_k1,
+        split_k1=split_k1,
+        num_warps1=warps,
+        num_stages1=3,
+        block_n2=block_n2,
+        block_k2=block_k2,
+        split_k2=split_k2,
+        num_warps2=warps,
+        num_stages2=3,
+        atomic_reduce=split_k2 > 1 or pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES,
+    )
+
+
+def get_moe_config(
+    E: int, H: int, I: int, top_k: int, M: int, device_name: str | None = None, directory=None
+) -> MoEConfig:
+    """Config for one call: the tuned config of the nearest batch size when a file exists for
+    (E, H, I, device), else :func:`heuristic_moe_config`."""
+    if device_name is None:
+        device_name = current_device_name()
+    tuned = load_moe_configs(E, H, I, device_name, directory)
+    if tuned:
+        # Nearest in log space: a partly tuned file must not hand M=1's config to M=16384.
+        m = max(M, 1)
+        nearest = min(tuned, key=lambda t: (abs(math.log2(max(t, 1) / m)), t))
+        if max(nearest, m) <= _MAX_TUNED_DISTANCE * min(max(nearest, 1), m):
+            return tuned[nearest]
+    return heuristic_moe_config(E, H, I, top_k, M)

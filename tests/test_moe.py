@@ -1,0 +1,396 @@
+"""Fused NVFP4 gated MoE (Triton, interpreter on CPU) against its plain-torch reference, and the
+reference against an independent numpy / ml_dtypes computation."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from k3nvfp4.kernels import (
+    MoEConfig,
+    NVFP4MoEWeights,
+    fused_moe_nvfp4,
+    fused_moe_nvfp4_reference,
+)
+from k3nvfp4.kernels.moe_details.random_weights import random_nvfp4_moe_weights, random_routing
+
+# CPU tensors run in the Triton interpreter (conftest sets TRITON_INTERPRET without CUDA); on a
+# GPU machine the same cases run on the GPU.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def W(*args, **kw) -> NVFP4MoEWeights:
+    return random_nvfp4_moe_weights(*args, device=DEV, **kw)
+
+
+def R(*args, **kw):
+    return random_routing(*args, device=DEV, **kw)
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
+
+# Stated bounds. fp32 end to end: only summation order differs (fp32 dots, exact dequant), so an
+# indexing or scale bug (O(1) error) cannot hide. bf16: the intermediate is rounded to bf16 (the
+# interpreter truncates instead of rounding) and the kernel's dots see bf16 x; 1e-2 normwise.
+FP32_REL = 2e-5
+BF16_REL = 1e-2
+
+CONFIGS = {
+    # Interpreter cost grows with the number of programs: the common configs use large tiles; the
+    # others cover tails (small blocks), no swap, block_m 32, split-K and the atomic top-k sum.
+    "default": MoEConfig(block_m=16, swap_ab=True, block_n1=64, block_k1=128, block_n2=128, block_k2=64),
+    "noswap": MoEConfig(block_m=16, swap_ab=False, block_n1=16, block_k1=32, block_n2=64, block_k2=32),
+    "bm32": MoEConfig(block_m=32, swap_ab=False, block_n1=64, block_k1=128, block_n2=16, block_k2=64),
+    "splitk": MoEConfig(block_m=16, block_n1=64, block_k1=32, split_k1=2, block_n2=64, block_k2=32, split_k2=2),
+    "atomic": MoEConfig(block_m=16, block_n1=32, block_k1=64, block_n2=64, block_k2=32, atomic_reduce=True),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def run_both(x, w, tw, ids, cfg="default", **kw):
+    got = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS[cfg] if isinstance(cfg, str) else cfg, **kw)
+    ref = fused_moe_nvfp4_reference(x, w, tw, ids, **kw)
+    assert got.shape == ref.shape == x.shape and got.dtype == x.dtype
+    return got, ref
+
+
+# (E, top_k, M, H, I, activation, linear_beta, config)
+FP32_CASES = [
+    (1, 1, 1, 48, 16, "situ", 25.0, "default"),
+    (4, 2, 3, 80, 48, "situ", None, "noswap"),
+    (33, 8, 17, 48, 80, "situ", 25.0, "default"),
+    (33, 2, 3, 144, 48, "silu", None, "default"),
+    (4, 2, 64, 48, 16, "silu", 25.0, "bm32"),
+    (33, 1, 64, 80, 16, "situ", 25.0, "splitk"),
+    (4, 8, 17, 48, 48, "situ", 25.0, "atomic"),
+    (4, 2, 17, 144, 48, "silu", None, "splitk"),
+]
+
+
+@pytest.mark.parametrize("E,k,M,H,I,act,lb,cfg", FP32_CASES)
+def test_fused_matches_reference_fp32(E, k, M, H, I, act, lb, cfg):
+    w = W(E, H, I, seed=E * 1000 + M)
+    tw, ids = R(M, k, E, seed=M + k)
+    x = randn(M, H, seed=1)
+    got, ref = run_both(x, w, tw, ids, cfg, activation=act, situ_linear_beta=lb)
+    assert ref.abs().max() > 0.05  # the case exercises non-trivial values
+    assert rel_err(got, ref) < FP32_REL
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_matches_reference_16bit(dtype):
+    E, k, M, H, I = 4, 2, 17, 80, 48
+    w = W(E, H, I, seed=7)
+    tw, ids = R(M, k, E, seed=3)
+    x = randn(M, H, seed=2).to(dtype)
+    got, ref = run_both(x, w, tw, ids, "default")
+    assert rel_err(got, ref) < BF16_REL
+
+
+def test_many_tokens_on_one_expert_and_empty_experts():
+    E, M, H, I = 4, 40, 48, 16  # 40 pairs on expert 2: three 16-row blocks; experts 0, 1, 3 idle
+    w = W(E, H, I, seed=3)
+    ids = torch.full((M, 1), 2, dtype=torch.int32, device=DEV)
+    tw = torch.rand(M, 1, generator=torch.Generator().manual_seed(0)).to(DEV)
+    x = randn(M, H, seed=0)
+    got, ref = run_both(x, w, tw, ids, "default")
+    assert rel_err(got, ref) < FP32_REL
+
+
+def test_minus_one_ids_contribute_nothing():
+    E, k, M, H, I = 4, 4, 17, 48, 32
+    w = W(E, H, I, seed=5)
+    tw, ids = R(M, k, E, seed=5, num_global_experts=12)  # ~2/3 of ids are -1
+    assert (ids == -1).any() and (ids >= 0).any()
+    x = randn(M, H, seed=5)
+    got, ref = run_both(x, w, tw, ids, "default")
+    assert rel_err(got, ref) < FP32_REL
+    # Same result as zeroing those slots' weights and pointing them at any real expert.
+    ids0 = torch.where(ids < 0, torch.zeros_like(ids), ids)
+    tw0 = torch.where(ids < 0, torch.zeros_like(tw), tw)
+    got0 = fused_moe_nvfp4(x, w, tw0, ids0, config=CONFIGS["default"])
+    torch.testing.assert_close(got, got0, rtol=1e-5, atol=1e-6)
+    # A token whose ids are all -1 gets exactly zero.
+    ids[0] = -1
+    assert torch.equal(fused_moe_nvfp4(x, w, tw, ids)[0], torch.zeros(H, device=DEV))
+
+
+def test_all_ids_dropped_gives_zeros():
+    w = W(2, 32, 16, seed=1)
+    x = randn(3, 32)
+    ids = torch.full((3, 2), -1, dtype=torch.int64, device=DEV)
+    tw = torch.ones(3, 2, device=DEV)
+    assert torch.equal(fused_moe_nvfp4(x, w, tw, ids), torch.zeros(3, 32, device=DEV))
+
+
+def test_gate_up_scale_2_applied_per_half_before_activation():
+    E, k, M, H, I = 2, 2, 5, 32, 16
+    w = W(E, H, I, seed=11)
+    w13, s13, s13_2, w2, s2, s2_2 = w.to_modelopt()
+    s13_2 = torch.tensor([[0.02, 0.3], [0.5, 0.01]], device=DEV)
+    w = NVFP4MoEWeights.from_modelopt(w13, s13, s13_2, w2, s2, s2_2)
+    swapped = NVFP4MoEWeights.from_modelopt(w13, s13, s13_2.flip(1), w2, s2, s2_2)
+    tw, ids = R(M, k, E, seed=1)
+    x = randn(M, H, seed=3) * 4
+    got, ref = run_both(x, w, tw, ids, "default")
+    assert rel_err(got, ref) < FP32_REL
+    # Swapping gate/up scale_2 must change the answer (SiTU is not symmetric in gate/up).
+    assert rel_err(fused_moe_nvfp4(x, swapped, tw, ids), ref) > 0.05
+
+
+def test_non_contiguous_inputs_and_out():
+    E, k, M, H, I = 4, 2, 9, 48, 32
+    w = W(E, H, I, seed=2)
+    tw_c, ids_c = R(M, k, E, seed=2)
+    x_c = randn(M, H, seed=2)
+    x = torch.zeros(M, 2 * H, device=DEV)
+    x[:, ::2] = x_c
+    x = x[:, ::2]  # column stride 2
+    ids = ids_c.t().contiguous().t()
+    tw = tw_c.t().contiguous().t()
+    assert not (x.is_contiguous() or ids.is_contiguous() or tw.is_contiguous())
+    out = torch.empty(M, H, device=DEV)
+    res = fused_moe_nvfp4(x, w, tw, ids, out=out, config=CONFIGS["noswap"])
+    assert res is out
+    ref = fused_moe_nvfp4_reference(x_c, w, tw_c, ids_c)
+    assert rel_err(out, ref) < FP32_REL
+    xt = x_c.t().contiguous().t()  # row stride 1, column stride M
+    assert rel_err(fused_moe_nvfp4(xt, w, tw, ids, config=CONFIGS["default"]), ref) < FP32_REL
+
+
+def test_routed_scaling_factor_scales_the_sum():
+    E, k, M, H, I = 4, 2, 5, 32, 16
+    w = W(E, H, I, seed=4)
+    tw, ids = R(M, k, E, seed=4)
+    x = randn(M, H, seed=4)
+    got, ref = run_both(x, w, tw, ids, "default", routed_scaling_factor=2.5)
+    assert rel_err(got, ref) < FP32_REL
+    plain = fused_moe_nvfp4_reference(x, w, tw, ids)
+    torch.testing.assert_close(ref, plain * 2.5, rtol=1e-6, atol=1e-7)
+    got_atomic = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS["atomic"], routed_scaling_factor=2.5)
+    assert rel_err(got_atomic, ref) < FP32_REL
+
+
+def test_deterministic_flag_overrides_atomic_config():
+    E, k, M, H, I = 4, 2, 5, 32, 16
+    w = W(E, H, I, seed=4)
+    tw, ids = R(M, k, E, seed=4)
+    x = randn(M, H)
+    a = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS["splitk"], deterministic=True)
+    b = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS["splitk"], deterministic=True)
+    assert torch.equal(a, b)
+    assert rel_err(a, fused_moe_nvfp4_reference(x, w, tw, ids)) < FP32_REL
+
+
+def test_default_config_lookup_runs():
+    w = W(4, 48, 16, seed=9)
+    tw, ids = R(3, 2, 4, seed=9)
+    x = randn(3, 48)
+    assert rel_err(fused_moe_nvfp4(x, w, tw, ids), fused_moe_nvfp4_reference(x, w, tw, ids)) < FP32_REL
+
+
+def test_empty_batch():
+    w = W(2, 32, 16)
+    x = torch.empty(0, 32, dtype=torch.bfloat16, device=DEV)
+    ids = torch.empty(0, 2, dtype=torch.int32, device=DEV)
+    tw = torch.empty(0, 2, device=DEV)
+    y = fused_moe_nvfp4(x, w, tw, ids)
+    assert y.shape == (0, 32) and y.dtype == torch.bfloat16
+    assert fused_moe_nvfp4_reference(x, w, tw, ids).shape == (0, 32)
+
+
+@given(
+    E=st.integers(1, 6),
+    k=st.integers(1, 3),
+    M=st.integers(1, 20),
+    h16=st.integers(1, 6),
+    i16=st.integers(1, 5),
+    act=st.sampled_from(["situ", "silu"]),
+    lb=st.sampled_from([None, 25.0, 2.0]),
+    cfg=st.sampled_from(sorted(CONFIGS)),
+    drop=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_matches_reference_hypothesis(E, k, M, h16, i16, act, lb, cfg, drop, seed):
+    H, I = 16 * h16, 16 * i16
+    w = W(E, H, I, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1 if drop else 0, E, (M, k), generator=g, dtype=torch.int64).to(DEV)  # repeats allowed
+    tw = torch.rand(M, k, generator=g).to(DEV)
+    x = torch.randn(M, H, generator=g).to(DEV)
+    got, ref = run_both(x, w, tw, ids, cfg, activation=act, situ_linear_beta=lb)
+    if ref.abs().max() == 0:
+        assert torch.equal(got, ref)
+    else:
+        assert rel_err(got, ref) < FP32_REL
+
+
+# ---------------------------------------------------------------- reference vs independent oracle
+
+
+def _np_dequant(packed: torch.Tensor, scale: torch.Tensor, scale_2: float) -> np.ndarray:
+    """Independent NVFP4 decode: ml_dtypes float4_e2m1fn / float8_e4m3fn, float64 math."""
+    p = packed.numpy()
+    codes = np.stack([p & 0x0F, p >> 4], axis=-1).reshape(p.shape[0], -1).astype(np.uint8)
+    vals = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    s = scale.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return vals * np.repeat(s, 16, axis=1) * scale_2
+
+
+@pytest.mark.parametrize("act,lb", [("situ", 25.0), ("situ", None), ("silu", None)])
+def test_reference_against_independent_numpy(act, lb):
+    E, k, M, H, I = 3, 2, 6, 48, 32
+    w = random_nvfp4_moe_weights(E, H, I, seed=21)  # plain torch reference: CPU everywhere
+    tw, ids = random_routing(M, k, E, seed=21)
+    ids[1, 0] = -1
+    x = torch.randn(M, H, generator=torch.Generator().manual_seed(21))
+    ref = fused_moe_nvfp4_reference(x, w, tw, ids, activation=act, situ_linear_beta=lb, routed_scaling_factor=1.5)
+
+    w13, s13, s13_2, w2, s2, s2_2 = w.to_modelopt()
+    xn = x.double().numpy()
+    expect = np.zeros((M, H))
+    for t in range(M):
+        for j in range(k):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            gate_w = _np_dequant(w13[e, :I], s13[e, :I], float(s13_2[e, 0]))
+            up_w = _np_dequant(w13[e, I:], s13[e, I:], float(s13_2[e, 1]))
+            down_w = _np_dequant(w2[e], s2[e], float(s2_2[e]))
+            g = np.einsum("h,ih->i", xn[t], gate_w)
+            u = np.einsum("h,ih->i", xn[t], up_w)
+            if act == "situ":
+                a = 4.0 * np.tanh(g / 4.0) / (1 + np.exp(-g)) * (u if lb is None else lb * np.tanh(u / lb))
+            else:
+                a = g / (1 + np.exp(-g)) * u
+            a = a.astype(np.float32).astype(np.float64)  # intermediate in the activation dtype
+            expect[t] += float(tw[t, j]) * np.einsum("i,hi->h", a, down_w)
+    expect *= 1.5
+    np.testing.assert_allclose(ref.numpy(), expect, rtol=1e-5, atol=1e-5 * np.abs(expect).max())
+    assert np.abs(expect).max() > 0.05
+
+
+def test_dequant_matches_ml_dtypes_every_byte():
+    """formats.dequantize_nvfp4 (used by the reference) equals the ml_dtypes decode for every
+    packed byte and E4M3 scales from subnormal 2^-9 to 2^8 and non-powers of two."""
+    from k3nvfp4.kernels import formats
+
+    packed = torch.arange(256, dtype=torch.uint8).reshape(32, 8)
+    scale_vals = torch.cat([torch.exp2(torch.arange(-9, 9).float()), torch.tensor([0.75, 1.25, 3.5, 448.0] * 3 + [0.0, 0.001953125])])
+    scale = scale_vals.to(torch.float8_e4m3fn).reshape(32, 1)
+    ours = formats.dequantize_nvfp4(packed, scale, 0.75)
+    np.testing.assert_array_equal(ours.numpy().astype(np.float64), _np_dequant(packed, scale, 0.75))
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _small():
+    w = W(2, 32, 16)
+    tw, ids = R(3, 2, 2)
+    return randn(3, 32), w, tw, ids
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda a: {**a, "hidden_states": a["hidden_states"].to(torch.int32)}, "hidden_states"),
+        (lambda a: {**a, "hidden_states": randn(3, 48)}, "hidden_states"),
+        (lambda a: {**a, "hidden_states": randn(3, 32, 1)}, "hidden_states"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"].float()}, "topk_ids"),
+        (lambda a: {**a, "topk_ids": a["topk_ids"][:2]}, "topk_ids"),
+        (lambda a: {**a, "topk_weights": a["topk_weights"][:, :1]}, "top-k mismatch"),
+        (lambda a: {**a, "topk_weights": a["topk_weights"].half()}, "topk_weights"),
+        (lambda a: {**a, "weights": a["weights"].to_modelopt()}, "weights"),
+        (lambda a: {**a, "activation": "gelu"}, "activation"),
+        (lambda a: {**a, "out": torch.empty(3, 33, device=DEV)}, "out"),
+    ],
+)
+@pytest.mark.parametrize("fn", [fused_moe_nvfp4, fused_moe_nvfp4_reference])
+def test_bad_inputs_name_the_argument(fn, mutate, match):
+    x, w, tw, ids = _small()
+    args = mutate({"hidden_states": x, "weights": w, "topk_weights": tw, "topk_ids": ids, "activation": "situ"})
+    with pytest.raises((TypeError, ValueError), match=match):
+        fn(args.pop("hidden_states"), args.pop("weights"), args.pop("topk_weights"), args.pop("topk_ids"), **args)
+
+
+def test_weights_validation_names_the_tensor():
+    w13, s13, s13_2, w2, s2, s2_2 = W(2, 32, 16).to_modelopt()
+    with pytest.raises(TypeError, match="w13"):
+        NVFP4MoEWeights.from_modelopt(w13.float(), s13, s13_2, w2, s2, s2_2)
+    with pytest.raises(ValueError, match="w13_scale"):
+        NVFP4MoEWeights.from_modelopt(w13, s13[:, :, :1], s13_2, w2, s2, s2_2)
+    with pytest.raises(ValueError, match="w2_scale"):
+        NVFP4MoEWeights.from_modelopt(w13, s13, s13_2, w2, s2[:1], s2_2)
+    with pytest.raises(TypeError, match="w13_scale_2"):
+        NVFP4MoEWeights.from_modelopt(w13, s13, s13_2.half(), w2, s2, s2_2)
+    with pytest.raises(ValueError, match="w2_scale_2"):
+        NVFP4MoEWeights.from_modelopt(w13, s13, s13_2, w2, s2, s2_2[:1])
+    with pytest.raises(ValueError, match="multiple of 16"):  # H = 40
+        NVFP4MoEWeights.from_modelopt(
+            torch.zeros(2, 32, 20, dtype=torch.uint8, device=DEV), s13, s13_2, w2, s2, s2_2
+        )
+    with pytest.raises(ValueError, match="multiple of 16"):  # I = 8
+        NVFP4MoEWeights.from_modelopt(w13[:, :16], s13[:, :16], s13_2, w2, s2, s2_2)
+    # [E] gate/up scale_2 is accepted (one scale for both halves); round trip is exact.
+    w = NVFP4MoEWeights.from_modelopt(w13, s13, s13_2[:, 0].contiguous(), w2, s2, s2_2)
+    assert torch.equal(w.w13_scale_2[:, 1], s13_2[:, 0])
+    back = NVFP4MoEWeights.from_modelopt(w13, s13, s13_2, w2, s2, s2_2).to_modelopt()
+    assert back[1].dtype == torch.float8_e4m3fn
+    for a, b in zip(back, (w13, s13, s13_2, w2, s2, s2_2)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_cpu_tensors_without_interpreter_raise(monkeypatch):
+    w = random_nvfp4_moe_weights(2, 32, 16)  # CPU tensors, also on a GPU machine
+    tw, ids = random_routing(3, 2, 2)
+    x = torch.randn(3, 32)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        fused_moe_nvfp4(x, w, tw, ids)
+
+
+# ---------------------------------------------------------------- the shared Triton FP4 decode
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from k3nvfp4.kernels.moe_details.fp4 import dequant_nvfp4_planes, e4m3_to_f32  # noqa: E402
+
+
+@triton.jit
+def _decode_all_bytes_kernel(packed_ptr, scale_ptr, even_ptr, odd_ptr, scale_out_ptr):
+    offs = tl.arange(0, 256)
+    s = e4m3_to_f32(tl.load(scale_ptr + offs).to(tl.int32))
+    tl.store(scale_out_ptr + offs, s)
+    even, odd = dequant_nvfp4_planes(tl.load(packed_ptr + offs), s)
+    tl.store(even_ptr + offs, even)
+    tl.store(odd_ptr + offs, odd)
+
+
+def test_triton_fp4_decode_every_byte():
+    """moe_details/fp4.py (the kernels' decode) against formats.py for all 256 packed bytes and
+    all finite E4M3 scale bytes (incl. subnormals and negative scales)."""
+    from k3nvfp4.kernels import formats
+
+    packed = torch.arange(256, dtype=torch.uint8, device=DEV)
+    scale_bytes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    scale_bytes = torch.where((scale_bytes & 0x7F) == 0x7F, torch.zeros_like(scale_bytes), scale_bytes)  # no NaN
+    even, odd, s = (torch.empty(256, device=DEV) for _ in range(3))
+    _decode_all_bytes_kernel[(1,)](packed, scale_bytes, even, odd, s)
+    s_ref = formats.e4m3_to_float(scale_bytes.view(torch.float8_e4m3fn))
+    assert torch.equal(s, s_ref)
+    codes = formats.unpack_e2m1(packed.reshape(256, 1)).reshape(256, 2)
+    vals = formats.e2m1_to_float(codes)
+    assert torch.equal(even, vals[:, 0] * s_ref)
+    assert torch.equal(odd, vals[:, 1] * s_ref)
