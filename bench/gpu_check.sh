@@ -1,0 +1,225 @@
+#!/usr/bin/env bash
+# One prepared GPU check (H200 machine: python3.12, torch 2.11, triton 3.6, no sglang, no network).
+#
+#   bench/gpu_check.sh            # run everything (about 5-7 minutes on an H200)
+#   bench/gpu_check.sh --dry-run  # shim + import check, print the planned steps, run nothing on the GPU
+#   bench/gpu_check.sh --cpu-rehearsal  # every step on tiny shapes in the Triton interpreter (no GPU needed)
+#
+# Makes the package importable WITHOUT pip (a PYTHONPATH shim: k3nvfp4/{kernels,checkpoint,sglang_ext}
+# symlinked to this checkout), then runs, each step time-boxed with `timeout` and the script going on
+# after a failure:
+#   1. env       nvidia-smi, versions, import check
+#   2. tests_gpu pytest -m gpu (GPU tests of the suite; files that need sglang fail to collect: recorded)
+#   3. tune_tp16 / 4. tune_ep16   k3nvfp4-tune on the K3 TP16 / EP16 shards, small space, time-boxed
+#   5. bench     bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR)
+#   6. tests_kernels  the kernels' CPU-suite files, on CUDA tensors (no interpreter there)
+# Worst case (every step at its limit) about 7.5 minutes; typically less.
+# Writes under $OUT (default ./gpu_out): summary.json (each step's exit status and time, test counts,
+# headline figures), gpu_check.log (all output), moe-<device>.json/.png, tuned_configs.json
+# ({config file name: content}; names hold '=' and ',', which the device tool does not bring back),
+# extras.tgz (per-step logs, junit XML, tuner reports, the tuned JSON files under their real names).
+# Exit status: 0 all steps passed, 1 some step failed, 3 no GPU (after the import check).
+# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH.
+set -u
+set -o pipefail
+
+DRY_RUN=0
+REHEARSAL=0
+case "${1:-}" in
+    --dry-run) DRY_RUN=1 ;;
+    --cpu-rehearsal) REHEARSAL=1 ;;  # every step, on tiny shapes in the interpreter (plumbing check)
+    "") ;;
+    *) echo "usage: $0 [--dry-run | --cpu-rehearsal]" >&2; exit 2 ;;
+esac
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${OUT:-$REPO/gpu_out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d /tmp/k3nvfp4_gpu_check.XXXXXX)
+LOG=$OUT/gpu_check.log
+STEPS=$WORK/steps.tsv
+: >"$LOG"
+: >"$STEPS"
+T_TESTS_GPU=${T_TESTS_GPU:-75}
+T_TESTS_KERNELS=${T_TESTS_KERNELS:-60}
+T_TUNE=${T_TUNE:-60}
+T_BENCH=${T_BENCH:-150}
+T0=$(date +%s)
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+# step NAME LIMIT_S CMD...: run time-boxed, output to console + log + per-step log; record status.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    log ""
+    log "=== [$name] (limit ${limit}s) $*"
+    local start=$(date +%s)
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$WORK/$name.log" | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    local secs=$(($(date +%s) - start))
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && log "--- [$name] TIMED OUT after ${limit}s"
+    log "--- [$name] exit $rc in ${secs}s"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$limit" >>"$STEPS"
+}
+
+# ---- 0. import shim: the package without pip ------------------------------------------------
+SHIM=$WORK/shim
+mkdir -p "$SHIM/k3nvfp4"
+for sub in kernels checkpoint sglang_ext; do ln -s "$REPO/$sub" "$SHIM/k3nvfp4/$sub"; done
+export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONDONTWRITEBYTECODE=1
+export MPLBACKEND=Agg
+cd "$REPO"
+
+write_summary() {  # write_summary STATUS_WORD
+    "$PY" -P - "$STEPS" "$OUT" "$WORK" "$1" "$DRY_RUN" "$(($(date +%s) - T0))" <<'PYEOF' 2>&1 | tee -a "$LOG"
+import glob, json, os, sys, xml.etree.ElementTree as ET
+steps_path, out, work, status, dry, elapsed = sys.argv[1:7]
+steps = []
+for line in open(steps_path):
+    name, rc, secs, limit = line.rstrip("\n").split("\t")
+    steps.append({"name": name, "exit": int(rc), "seconds": int(secs), "limit_s": int(limit),
+                  "timed_out": rc in ("124", "137")})
+summary = {"status": status, "dry_run": dry == "1", "elapsed_s": int(elapsed), "steps": steps, "tests": {}}
+for xml in sorted(glob.glob(os.path.join(work, "junit-*.xml"))):
+    try:
+        root = ET.parse(xml).getroot()
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        summary["tests"][os.path.basename(xml)[6:-4]] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    except Exception as e:
+        summary["tests"][os.path.basename(xml)] = f"unreadable: {e}"
+env = os.path.join(work, "env.json")
+if os.path.exists(env):
+    summary["env"] = json.load(open(env))
+configs = {}
+for p in sorted(glob.glob(os.path.join(work, "configs", "*.json"))):
+    configs[os.path.basename(p)] = json.load(open(p))
+if configs:
+    json.dump(configs, open(os.path.join(out, "tuned_configs.json"), "w"), indent=1)
+summary["tuned_config_files"] = {k: sorted(v, key=int) for k, v in configs.items()}
+head = []
+for p in glob.glob(os.path.join(out, "moe-*.json")):
+    r = json.load(open(p))
+    summary["bench_errors"] = r.get("errors", [])
+    summary["bench_checks"] = {k: v.get("check") for k, v in r.get("shapes", {}).items()}
+    summary["measured_ceilings"] = r.get("measured_ceilings")
+    summary["targets"] = r.get("targets", [])
+    for pt in r.get("points", []):
+        o = pt.get("ours", {})
+        head.append({"shape": pt["shape"], "M": pt["M"], "us": round(o.get("time_us", float("nan")), 1),
+                     "pct_bw": round(o.get("pct_bw", float("nan")), 1), "TFLOPs": round(o.get("TFLOPs", float("nan")), 1),
+                     "x_bf16": round(pt.get("speedup_vs_bf16", float("nan")), 2), "error": pt.get("error")})
+summary["bench"] = head
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+print("\n==== gpu_check summary (" + status + f", {elapsed}s) ====")
+for s in steps:
+    print(f"{s['name']:<15} exit {s['exit']:>3} {s['seconds']:>4}s / {s['limit_s']}s" + ("  TIMED OUT" if s["timed_out"] else ""))
+for k, v in summary["tests"].items():
+    print(f"pytest {k}: {v}")
+for h in head:
+    print(f"{h['shape']:<5} M={h['M']:>6} {h['us']:>9} us {h['pct_bw']:>5}% bw {h['TFLOPs']:>6} TFLOP/s x{h['x_bf16']} vs bf16"
+          + (f"  ERROR {h['error']}" if h["error"] else ""))
+for t in summary.get("targets", []):
+    print(f"target {t['target']}: {t['verdict']} ({t['measured']})")
+if summary.get("measured_ceilings"):
+    print("measured ceilings:", summary["measured_ceilings"])
+PYEOF
+}
+
+finish() {  # finish STATUS_WORD EXIT_CODE
+    write_summary "$1"
+    mkdir -p "$WORK/extras"
+    cp "$WORK"/*.log "$WORK"/*.xml "$WORK/extras/" 2>/dev/null
+    cp -r "$WORK/configs" "$WORK/reports" "$WORK/extras/" 2>/dev/null
+    tar -czf "$OUT/extras.tgz" -C "$WORK" extras 2>/dev/null
+    log "outputs in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+    exit "$2"
+}
+
+# ---- 1. env ----------------------------------------------------------------------------------
+step env 60 "$PY" -P -c "
+import json, os, sys, torch, triton
+import k3nvfp4.kernels as k
+from k3nvfp4.kernels import fused_moe_nvfp4, NVFP4MoEWeights, fused_moe_nvfp4_reference
+from k3nvfp4.kernels.tune import main as tune_main
+cuda = torch.cuda.is_available()
+env = {'python': sys.version.split()[0], 'torch': torch.__version__, 'triton': triton.__version__,
+       'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name() if cuda else None,
+       'package_dir': os.path.dirname(k.__file__)}
+if cuda:
+    p = torch.cuda.get_device_properties(0)
+    env.update(sms=p.multi_processor_count, mem_gib=round(p.total_memory / 2**30, 1), capability=list(torch.cuda.get_device_capability()))
+json.dump(env, open('$WORK/env.json', 'w'))
+print('import ok:', json.dumps(env))
+"
+if [ "$(tail -n1 "$STEPS" | cut -f2)" != 0 ]; then
+    log "gpu_check: the package does not import through the shim ($SHIM); see above"
+    finish import_failed 1
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv 2>&1 | tee -a "$LOG"
+
+TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --E 896 --H 3584 --I 192 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_tp16.json --no-progress"
+TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --E 56 --global-experts 896 --H 3584 --I 3072 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
+BENCH="$PY bench/bench_moe.py --out-dir $OUT --time-budget $((T_BENCH - 40))"
+# CPU-suite files of the kernels: on a GPU machine they run on CUDA tensors (no interpreter there).
+KERNEL_TESTS=$(ls tests/test_tune.py tests/test_moe_config.py tests/test_routing.py tests/test_moe.py \
+    tests/test_formats.py tests/test_cast.py tests/test_cast_triton.py tests/test_moe_checkpoint.py 2>/dev/null | tr '\n' ' ')
+# Files holding GPU tests (marker gpu); those that import sglang fail to collect there: recorded.
+GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py 2>/dev/null | tr '\n' ' ')
+
+if [ "$REHEARSAL" = 1 ]; then
+    # Same steps and files, tiny shapes, Triton interpreter: checks this script's plumbing on a CPU box.
+    TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --device cpu --E 4 --H 48 --I 32 --top-k 2 --batch-sizes 1,3 --space tiny --iters 1 --out-dir $WORK/configs --report $WORK/reports/tune_tp16.json --no-progress"
+    TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --device cpu --E 4 --global-experts 16 --H 48 --I 32 --top-k 4 --batch-sizes 2 --space tiny --iters 1 --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
+    BENCH="$PY bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --m-list 1,8 --quick --out-dir $OUT"
+    KERNEL_TESTS="tests/test_tune.py"
+fi
+if [ "$DRY_RUN" = 1 ]; then
+    log ""
+    log "dry run: the import shim works; planned steps:"
+    log "  tests_gpu     ($T_TESTS_GPU s): $PY -P -m pytest -q -m gpu $GPU_TESTS --continue-on-collection-errors"
+    log "  tests_kernels ($T_TESTS_KERNELS s): $PY -P -m pytest -q -m 'not gpu' $KERNEL_TESTS"
+    log "  tune_tp16     ($T_TUNE s): $TUNE_TP"
+    log "  tune_ep16     ($T_TUNE s): $TUNE_EP"
+    log "  bench         ($T_BENCH s): K3NVFP4_MOE_CONFIG_DIR=$WORK/configs $BENCH"
+    finish dry_run 0
+fi
+if [ "$REHEARSAL" = 0 ] && [ "$("$PY" -P -c 'import torch; print(torch.cuda.is_available())')" != True ]; then
+    log ""
+    log "gpu_check: NO CUDA GPU visible to torch on this machine: the package imports, but there is nothing to"
+    log "check here. Run it on the GPU machine, or use --dry-run to see the planned steps."
+    finish no_gpu 3
+fi
+
+# ---- 2. GPU tests ------------------------------------------------------------------------------
+# shellcheck disable=SC2086
+step tests_gpu "$T_TESTS_GPU" "$PY" -P -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider \
+    --continue-on-collection-errors --junitxml="$WORK/junit-gpu.xml"
+
+# ---- 3-4. tuner on the K3 shards (small space, time-boxed; --time-budget stops it cleanly) ----
+mkdir -p "$WORK/configs" "$WORK/reports"
+# shellcheck disable=SC2086
+step tune_tp16 "$T_TUNE" $TUNE_TP
+# shellcheck disable=SC2086
+step tune_ep16 "$T_TUNE" $TUNE_EP
+
+# ---- 5. benchmark with the configs just tuned --------------------------------------------------
+export K3NVFP4_MOE_CONFIG_DIR=$WORK/configs
+# shellcheck disable=SC2086
+step bench "$T_BENCH" $BENCH
+
+# ---- 7. the kernels' CPU-suite files, on the GPU (last: the least unique information) ----------
+if [ -n "$KERNEL_TESTS" ]; then
+    # shellcheck disable=SC2086
+    step tests_kernels "$T_TESTS_KERNELS" "$PY" -P -m pytest -q --maxfail=5 -m "not gpu" -p no:cacheprovider $KERNEL_TESTS \
+        --junitxml="$WORK/junit-kernels.xml"
+fi
+
+# a tuner exit 3 means "search cut short by --time-budget, configs written": not a failure here
+if awk -F'\t' '$2 != 0 && !($1 ~ /^tune/ && $2 == 3) {bad=1} END {exit !bad}' "$STEPS"; then
+    finish some_steps_failed 1
+fi
+finish ok 0

@@ -1,0 +1,261 @@
+"""k3nvfp4-tune: shape derivation, search space, files, and the whole pipeline end to end.
+
+Without a GPU the end-to-end test runs the tuner in the Triton interpreter (--device cpu) on
+tiny shapes; with one it runs the same test on the GPU (--device cuda).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import k3nvfp4.kernels.moe as moe
+from k3nvfp4.kernels import tune
+from k3nvfp4.kernels.moe_details.config import (
+    CONFIG_DIR_ENV,
+    MoEConfig,
+    config_file_name,
+    current_device_name,
+    get_moe_config,
+    heuristic_moe_config,
+    load_moe_configs,
+)
+
+K3_TEXT_CONFIG = {
+    "hidden_size": 7168,
+    "num_experts": 896,
+    "num_experts_per_token": 16,
+    "moe_intermediate_size": 3072,
+    "routed_expert_hidden_size": 3584,
+}
+
+
+@pytest.fixture
+def k3_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "kimi_k3", "text_config": K3_TEXT_CONFIG}))
+    return path
+
+
+def test_shape_from_k3_config_tp16_and_ep16(k3_config):
+    tp = tune.shape_from_model_config(k3_config, tp_size=16)
+    assert (tp.E, tp.H, tp.I, tp.top_k, tp.global_experts) == (896, 3584, 192, 16, 896)
+    ep = tune.shape_from_model_config(k3_config, tp_size=16, ep_size=16)
+    assert (ep.E, ep.H, ep.I, ep.top_k, ep.global_experts) == (56, 3584, 3072, 16, 896)
+    ep32 = tune.shape_from_model_config(k3_config, tp_size=32, ep_size=32)
+    assert (ep32.E, ep32.I) == (28, 3072)
+
+
+def test_cli_ep_size_alone_means_tp_equals_ep(k3_config):
+    args = tune.build_parser().parse_args(["--model-config", str(k3_config), "--ep-size", "16"])
+    shape = tune._resolve_shape(args, tune.build_parser())
+    assert (shape.E, shape.I) == (56, 3072)
+
+
+def test_shape_from_config_errors_name_the_problem(tmp_path, k3_config):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"text_config": {k: v for k, v in K3_TEXT_CONFIG.items() if k != "moe_intermediate_size"}}))
+    with pytest.raises(SystemExit, match="moe_intermediate_size"):
+        tune.shape_from_model_config(bad)
+    with pytest.raises(SystemExit, match="not found"):
+        tune.shape_from_model_config(tmp_path / "missing.json")
+    with pytest.raises(SystemExit, match="ep-size"):
+        tune.shape_from_model_config(k3_config, tp_size=16, ep_size=3)  # 16 % 3
+    with pytest.raises(SystemExit, match="multiple of 16"):
+        tune.shape_from_model_config(k3_config, tp_size=128)  # 3072 / 128 = 24
+
+
+def test_search_spaces_are_valid_and_centered_on_the_heuristic():
+    shape = tune.TuneShape(896, 3584, 192, 16, 896)
+    for M in (1, 64, 4096):
+        base = tune.base_config("default", shape, M)
+        assert base == heuristic_moe_config(896, 3584, 192, 16, M)
+        for space in ("small", "default", "wide"):
+            for stage in tune.stages(space):
+                cands = tune._expand_stage(stage, base)
+                assert cands, (space, stage)
+                assert len(set(cands)) == len(cands)
+                for c in cands:
+                    assert isinstance(c, MoEConfig)
+                    assert c.split_k2 == 1 or c.atomic_reduce  # GEMM2 split-K needs atomics
+                    assert c.swap_ab is False or c.block_m <= 32
+    # block_m ladder around the heuristic's block_m=16 (decode): 16 and 32, each with and without swap_ab
+    bm = tune._expand_stage({"block_m": ["~"]}, tune.base_config("default", shape, 1))
+    assert sorted((c.block_m, c.swap_ab) for c in bm) == [(16, False), (16, True), (32, False), (32, True)]
+    tiny = tune._expand_stage(tune.stages("tiny")[0], tune.base_config("tiny", shape, 1))
+    assert [c.block_n1 for c in tiny] == [16, 32]
+
+
+def test_coverage_order_spans_the_range_first():
+    sizes = [1, 4, 16, 64, 256, 1024, 4096, 16384]
+    order = tune.coverage_order(sizes)
+    assert sorted(order) == sizes
+    assert order[:3] == [1, 16384, 64]
+    assert tune.coverage_order([3, 1]) == [1, 3]
+
+
+def test_atomic_write_and_partial_key_mismatch(tmp_path):
+    path = tmp_path / "x.partial.json"
+    key = {"E": 1}
+    tune.atomic_write_json(path, {"version": 1, "key": key, "results": {"1": {"complete": True}, "2": {"complete": False}}})
+    assert [p.name for p in tmp_path.iterdir()] == ["x.partial.json"]  # no temp file left behind
+    assert tune.load_partial(path, key) == {"1": {"complete": True}}  # unfinished entries are redone
+    assert tune.load_partial(path, {"E": 2}) == {}
+    path.write_text("{not json")
+    assert tune.load_partial(path, key) == {}
+
+
+def test_routing_is_realistic():
+    shape = tune.TuneShape(E=56, H=64, I=32, top_k=16, global_experts=896)
+    tw, ids = tune.random_routing(512, shape, "cpu", seed=3)
+    assert tw.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (512, 16)
+    torch.testing.assert_close(tw.sum(-1), torch.ones(512))
+    assert ((ids >= -1) & (ids < 56)).all()
+    local = ids[ids >= 0]
+    # about top_k * E / G = 1 local route per token, and the load is skewed (hot experts)
+    assert 0.3 < local.numel() / 512 < 3.0
+    counts = torch.bincount(local.long(), minlength=56).float()
+    assert counts.max() > 3 * counts.mean()
+    # distinct experts per token in the global routing
+    _, gids = tune.random_routing(64, tune.TuneShape(896, 64, 32, 16, 896), "cpu", seed=4)
+    assert all(len(set(r.tolist())) == 16 for r in gids)
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--E", "4", "--H", "48", "--I", "32", "--top-k", "2", "--batch-sizes", "1,x", "--device", "cpu"])
+    assert e.value.code == 2 and "--batch-sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--E", "4", "--H", "40", "--I", "32", "--top-k", "2", "--device", "cpu"])  # H % 16
+    assert e.value.code == 2 and "multiple of 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--E", "4", "--device", "cpu"])
+    assert e.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cli_without_gpu_says_so(capsys):
+    assert tune.main(["--E", "4", "--H", "48", "--I", "32", "--top-k", "2"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+
+
+def _wrong_when_wide(real):
+    """fused_moe_nvfp4 that returns instantly with a wrong result for block_n1=32 configs:
+    the fastest candidate of the tiny space, and it must never be chosen."""
+
+    def fake(x, weights, tw, ids, *, config=None, out=None, **kw):
+        if config is not None and config.block_n1 == 32:
+            out.zero_()
+            return out
+        return real(x, weights, tw, ids, config=config, out=out, **kw)
+
+    return fake
+
+
+def test_candidate_failures_are_skipped_with_a_note(monkeypatch):
+    def broken(x, weights, tw, ids, *, config=None, out=None, **kw):
+        if config.block_n1 == 16:
+            raise RuntimeError("out of resource: shared memory")
+        out.zero_()
+        return out
+
+    monkeypatch.setattr(moe, "fused_moe_nvfp4", broken)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = tune.TuneShape(4, 48, 32, 2, 4)
+    weights = moe.NVFP4MoEWeights.from_modelopt(*tune.random_modelopt_tensors(shape, device).as_tuple())
+    best, tried, complete = tune.tune_batch_size(
+        3, shape, weights, "tiny", tune.Timer(device, 0, 1), device=device, dtype=torch.float32,
+        activation="situ", tol=1e-4, seed=0, expert_offset=0, max_configs=None, deadline=None, progress=False,
+    )  # fmt: skip
+    assert best is None and complete
+    notes = {c.config.block_n1: c.note for c in tried}
+    assert notes[16].startswith("skipped: RuntimeError: out of resource")
+    assert notes[32].startswith("wrong result")
+
+
+def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    E, H, I, k = 4, 48, 32, 2
+    out_dir = tmp_path / "configs"
+    argv = ["--device", device, "--E", str(E), "--H", str(H), "--I", str(I), "--top-k", str(k),
+            "--batch-sizes", "1,3", "--space", "tiny", "--warmup", "0", "--iters", "1",
+            "--out-dir", str(out_dir), "--report", str(tmp_path / "report.json"), "--no-progress"]  # fmt: skip
+    monkeypatch.setattr(moe, "fused_moe_nvfp4", _wrong_when_wide(moe.fused_moe_nvfp4))
+    device_name = current_device_name() if device == "cuda" else "cpu"
+    final = out_dir / config_file_name(E, H, I, device_name)
+    partial = final.with_name(final.name + tune.PARTIAL_SUFFIX)
+
+    # Run 1 is interrupted while tuning M=3: M=1 is kept in the partial file, no final file yet.
+    real_tune_batch_size = tune.tune_batch_size
+    calls: list[int] = []
+
+    def interrupted(M, *a, **kw):
+        calls.append(M)
+        if M == 3:
+            raise KeyboardInterrupt
+        return real_tune_batch_size(M, *a, **kw)
+
+    monkeypatch.setattr(tune, "tune_batch_size", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tune.main(argv)
+    assert calls == [1, 3]
+    assert not final.exists() and partial.is_file()
+    saved = json.loads(partial.read_text())["results"]
+    assert set(saved) == {"1"} and saved["1"]["complete"]
+
+    # Run 2 (same command) resumes: only M=3 is tuned.
+    calls.clear()
+    monkeypatch.setattr(tune, "tune_batch_size", lambda M, *a, **kw: (calls.append(M), real_tune_batch_size(M, *a, **kw))[1])
+    assert tune.main(argv) == 0
+    assert calls == [3]
+    assert final.is_file() and not partial.exists()
+    assert sorted(p.name for p in out_dir.iterdir()) == [final.name]
+
+    # The file parses with the run-time loader; the fast wrong config never won.
+    tuned = load_moe_configs(E, H, I, device_name, directory=out_dir)
+    expected = dataclasses.replace(tune.base_config("tiny", None, 1), block_n1=16)
+    assert tuned == {1: expected, 3: expected}
+    report = json.loads((tmp_path / "report.json").read_text())["results"]
+    for m in ("1", "3"):
+        by_n1 = {c["config"]["block_n1"]: c for c in report[m]["tried"]}
+        assert by_n1[32]["note"].startswith("wrong result") and by_n1[32]["time_us"] is None
+        assert by_n1[16]["time_us"] > 0 and by_n1[16]["error"] <= 1e-4 * (1 if device == "cpu" else 200)
+
+    # get_moe_config finds it through the environment variable (nearest batch size), and the
+    # tuned entry differs from what the heuristic would have given.
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(out_dir))
+    assert get_moe_config(E, H, I, k, 10, device_name=device_name) == tuned[3]
+    assert tuned[3] != heuristic_moe_config(E, H, I, k, 10)
+
+
+def test_bench_moe_smoke(tmp_path):
+    """bench/bench_moe.py end to end on a tiny EP-style shape (interpreter on CPU): the
+    correctness check runs before timing and the JSON holds the figures of every point."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_moe.py"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cmd = [sys.executable, str(script), "--device", device, "--shapes", "tiny-ep", "--m-list", "8",
+           "--quick", "--no-plot", "--out-dir", str(tmp_path)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (result_file,) = tmp_path.glob("moe-*.json")
+    result = json.loads(result_file.read_text())
+    check = result["shapes"]["tiny-ep"]["check"]
+    assert check["ok"] and check["ours_normwise_error"] <= check["tol"]
+    assert check["baseline_normwise_error"] < 3e-2
+    (point,) = result["points"]
+    assert point["M"] == 8 and "error" not in point
+    assert 0 < point["valid_routes"] <= 8 * 4 and 0 < point["distinct_experts"] <= 4
+    H, I = 48, 32
+    per_expert = (2 * I * H // 2 + 2 * I * H // 16 + 8) + (H * I // 2 + H * I // 16 + 4)
+    act_bytes = 4 if device == "cpu" else 2  # fp32 activations in the interpreter, bf16 on a GPU
+    assert point["bytes"] == point["distinct_experts"] * per_expert + 2 * 8 * H * act_bytes + 8 * 4 * 8
+    assert point["flops"] == 2 * point["valid_routes"] * 3 * I * H
+    assert point["ours"]["time_us"] > 0 and point["bf16"]["impl"] == "torch._grouped_mm"
+    assert result["other_implementations"]["sglang_marlin_nvfp4"].startswith("not available")
