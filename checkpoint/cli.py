@@ -1,0 +1,58 @@
+"""``k3nvfp4-cast``: the offline MXFP4 -> NVFP4 checkpoint cast (command line)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .convert import CastOptions, format_summary, run_cast
+from .safetensors_io import CheckpointError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="k3nvfp4-cast",
+        description="Cast a Kimi-K3 MXFP4 (compressed-tensors) checkpoint into a ModelOpt NVFP4 one, "
+        "bit-exactly, streaming shard by shard. Runs on CPU.",
+    )
+    ap.add_argument("--source_ckpt", required=True, type=Path, help="MXFP4 checkpoint directory (read only)")
+    ap.add_argument("--output_ckpt", required=True, type=Path, help="NVFP4 output directory (not inside the source)")
+    ap.add_argument("--verify", action="store_true", help="re-read the output and prove every block equal; fail on any mismatch")
+    ap.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="worker processes (one shard each at a time)")
+    ap.add_argument("--strict", action="store_true", help="fail on any block that is not bit-exact")
+    ap.add_argument("--w4a4", action="store_true", help="add input_scale = 1.0 per expert matrix (W4A4 config form)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory this tool wrote")
+    ap.add_argument("--trim-a-log", "--trim_a_log", dest="trim_a_log", action="store_true",
+                    help="write KDA A_log at num_heads instead of zero-padded head_dim (padding must be zero)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        print(f"k3nvfp4-cast: error: --workers {args.workers}: must be >= 1", file=sys.stderr)
+        return 2
+    opts = CastOptions(
+        source=args.source_ckpt, output=args.output_ckpt, verify=args.verify, workers=args.workers,
+        strict=args.strict, w4a4=args.w4a4, overwrite=args.overwrite, trim_a_log=args.trim_a_log,
+        progress=args.progress,
+    )
+    try:
+        report = run_cast(opts)
+    except CheckpointError as exc:
+        print(f"k3nvfp4-cast: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("k3nvfp4-cast: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    print(format_summary(report))
+    print(f"report: {args.output_ckpt / 'cast_report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

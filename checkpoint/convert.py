@@ -1,0 +1,563 @@
+"""Stream a Kimi-K3 MXFP4 checkpoint into a ModelOpt NVFP4 one, shard by shard.
+
+One task per source shard, run by a pool of worker processes: a worker holds at most a
+few expert groups in memory, copies carried tensors as raw byte ranges and streams its
+output shard to a temporary name that is renamed when complete. A finished shard is
+recorded in ``<output>/.k3nvfp4-cast/``; a restarted run with the same arguments (same
+fingerprint) skips it, and the deterministic writer makes the result byte-identical.
+The config, index, side files and ``cast_report.json`` are written last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import collections
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import shutil
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..kernels.cast import CastStats, MXFP4Weight, cast_mxfp4_to_nvfp4
+from . import _progress
+from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE
+from .plan import CastPlan, ExpertMatrix, ShardPlan, SourceRef, plan_cast
+from .quant_config import hf_quant_config, output_config
+from .safetensors_io import CheckpointError, StreamingWriter, read_tensor, write_atomic_text
+from .verify import verify_full, verify_nonlocal, verify_shard
+
+TOOL_VERSION = "0.1.0"
+STATE_DIR = ".k3nvfp4-cast"
+_METADATA = {"format": "pt"}
+
+
+
+@dataclass(frozen=True)
+class CastOptions:
+    source: Path
+    output: Path
+    verify: bool = False
+    workers: int = 1
+    strict: bool = False
+    w4a4: bool = False
+    overwrite: bool = False
+    trim_a_log: bool = False
+    progress: bool = True
+    verify_sample: int = 1  # matrices per shard fully dequantized and compared
+    main_process_works: bool = True  # False: only the pool casts (tests exercise the pool path)
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    source: Path
+    output: Path
+    shard: ShardPlan
+    groups: dict  # group -> list[ExpertMatrix], the groups this shard touches
+    num_heads: int | None
+    strict: bool
+    w4a4: bool = False
+    verify_sample: int = 1
+    verify: bool = False  # verify the shard right after writing it (groups inside the shard)
+
+
+class _Files:
+    """Read-only handles on source (or output) shards, opened on first use."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._open: dict[str, object] = {}
+
+    def get(self, shard: str):
+        f = self._open.get(shard)
+        if f is None:
+            f = self._open[shard] = open(self.root / shard, "rb")
+        return f
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+
+def _read(files: _Files, ref) -> torch.Tensor:
+    return read_tensor(files.get(ref.shard), ref.entry)
+
+
+def _cast_group(files: _Files, task: ShardTask, members: list[ExpertMatrix]) -> tuple[dict[str, torch.Tensor], CastStats, int]:
+    weights, nbytes = [], 0
+    for m in members:
+        packed, scale = _read(files, m.packed), _read(files, m.scale)
+        nbytes += m.packed.entry.nbytes + m.scale.entry.nbytes
+        weights.append(MXFP4Weight(packed, scale, name=f"{task.source / m.scale.shard}: {m.name.base}"))
+    try:
+        outs, stats = cast_mxfp4_to_nvfp4(weights)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(str(exc)) from None
+    if task.strict and stats.exact_blocks != stats.blocks:
+        bases = ", ".join(m.name.base for m in members)
+        raise CheckpointError(
+            f"--strict: {stats.blocks - stats.exact_blocks} of {stats.blocks} blocks of {bases} are not "
+            f"bit-exact ({stats.out_of_range_blocks} out of range, max_abs_err {stats.max_abs_err:g})"
+        )
+    tensors: dict[str, torch.Tensor | SourceRef] = {}
+    for m, w, o in zip(members, weights, outs):
+        # Nibbles untouched (the cast hands back the source tensor itself): copy the source
+        # bytes in the kernel (copy_file_range) instead of writing them from memory.
+        tensors[f"{m.name.base}.weight"] = m.packed if o.packed is w.packed else o.packed
+        tensors[f"{m.name.base}.weight_scale"] = o.scale
+        tensors[f"{m.name.base}.weight_scale_2"] = o.scale_2.reshape(())
+        tensors[f"{m.name.base}.input_scale"] = torch.ones((), dtype=torch.float32)
+    return tensors, stats, nbytes
+
+
+def check_a_log(t: torch.Tensor, name: str, num_heads: int | None) -> dict:
+    """Report on one KDA A_log: the elements beyond num_heads must be exactly zero."""
+    rep = {"name": name, "shape": list(t.shape), "num_heads": num_heads}
+    if num_heads is None or t.dim() != 1 or t.shape[0] < num_heads:
+        rep.update(padding_elements=None, padding_all_zero=None, note="unexpected shape; carried as is")
+        return rep
+    pad = t[num_heads:].float()
+    rep.update(
+        padding_elements=int(pad.numel()),
+        padding_all_zero=bool((pad == 0).all()),
+        padding_max_abs=float(pad.abs().max()) if pad.numel() else 0.0,
+    )
+    return rep
+
+
+def cast_shard(task: ShardTask) -> dict:
+    """Write one output shard (see module docstring). Returns its record."""
+    t0 = time.perf_counter()
+    files = _Files(task.source)
+    plan = task.shard
+    wanted: dict[tuple, set[str]] = defaultdict(set)  # group -> its outputs in this shard
+    for it in plan.items:
+        if it.group is not None:
+            wanted[it.group].add(it.spec.name)
+    anchored = set(plan.anchored_groups)
+    pending: dict[tuple, dict[str, torch.Tensor]] = {}
+    stats, matrices, extra_read, a_logs = CastStats(), 0, 0, []
+    writer = StreamingWriter(task.output / plan.name, [it.spec for it in plan.items], _METADATA)
+    try:
+        with writer:
+            for it in plan.items:
+                if it.kind == "carry":
+                    src = it.src
+                    writer.copy_range(it.spec.name, files.get(src.shard), src.entry.begin, src.entry.nbytes)
+                    if it.spec.name.endswith(".A_log"):
+                        a_logs.append(check_a_log(_read(files, src), it.spec.name, task.num_heads))
+                    _progress.report(src.entry.nbytes)
+                elif it.kind == "a_log_trim":
+                    t = _read(files, it.src)
+                    rep = check_a_log(t, it.spec.name, task.num_heads)
+                    if not rep["padding_all_zero"]:
+                        raise CheckpointError(
+                            f"{task.source / it.src.shard}: tensor {it.spec.name}: elements [{task.num_heads}:] are not "
+                            f"all zero (max |x| {rep['padding_max_abs']:g}); --trim-a-log would drop trained values"
+                        )
+                    rep["trimmed_to"] = task.num_heads
+                    a_logs.append(rep)
+                    writer.write_tensor(it.spec.name, t[: task.num_heads].contiguous())
+                    _progress.report(it.src.entry.nbytes)
+                else:
+                    g = it.group
+                    if g not in pending:
+                        tensors, st, nbytes = _cast_group(files, task, task.groups[g])
+                        pending[g] = {k: v for k, v in tensors.items() if k in wanted[g]}
+                        if g in anchored:
+                            stats, matrices = stats + st, matrices + len(task.groups[g])
+                        own = sum(r.entry.nbytes for m in task.groups[g] for r in (m.packed, m.scale) if r.shard == plan.name)
+                        extra_read += nbytes - own
+                        _progress.report(own)
+                    value = pending[g].pop(it.spec.name)
+                    if isinstance(value, SourceRef):
+                        writer.copy_range(it.spec.name, files.get(value.shard), value.entry.begin, value.entry.nbytes)
+                    else:
+                        writer.write_tensor(it.spec.name, value)
+                    if not pending[g]:
+                        del pending[g]
+            writer.commit()
+    finally:
+        files.close()
+    out_size = (task.output / plan.name).stat().st_size
+    cast_seconds = time.perf_counter() - t0
+    # Verify from disk now, while the data is hot and other shards are still being cast;
+    # groups that span shards wait for the second pass.
+    verify = None
+    if task.verify:
+        saved = _progress.set_sink(lambda n: None)  # the bar counts cast bytes only
+        try:
+            verify = verify_shard(task, groups="local")
+        finally:
+            _progress.set_sink(saved)
+    return {
+        "pid": os.getpid(),
+        "verify": verify,
+        "cast_seconds": cast_seconds,
+        "shard": plan.name,
+        "source_bytes": plan.source_bytes,
+        "extra_bytes_read": extra_read,
+        "output_bytes": out_size,
+        "matrices": matrices,
+        "stats": stats.to_dict(),
+        "a_log": a_logs,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _shard_task(plan: CastPlan, options: CastOptions, shard: ShardPlan) -> ShardTask:
+    touched = {it.group for it in shard.items if it.group is not None} | set(shard.anchored_groups)
+    return ShardTask(
+        source=plan.source,
+        output=options.output,
+        shard=shard,
+        groups={g: plan.groups[g] for g in touched},
+        num_heads=plan.num_heads,
+        strict=options.strict,
+        w4a4=options.w4a4,
+        verify_sample=options.verify_sample,
+        verify=options.verify,
+    )
+
+
+_READY = -1  # a pool process announces itself on the progress queue
+
+
+def _init_worker(queue) -> None:
+    torch.set_num_threads(1)
+    _progress.set_sink(queue.put)
+    queue.put(_READY)
+
+
+class _Executor:
+    """Runs shard tasks on ``workers`` processes: the main process itself plus a spawn pool of
+    ``workers - 1``, created once and shared by the cast and verify phases. The main process
+    starts working at once, so the pool's start-up (importing torch) is off the critical path.
+    """
+
+    def __init__(self, workers: int, show: bool, main_works: bool = True):
+        self.workers, self.show, self.main_works = workers, show, main_works
+        self._pool = None
+        self._queue = None
+        self._idle = threading.Semaphore(0)  # pool processes that are up and without a task
+
+    def __enter__(self) -> "_Executor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            # Every result is in (or the run failed): a process still importing torch need not finish.
+            self._pool.terminate()
+            self._pool.join()
+
+    def _get_pool(self):
+        if self._pool is None:
+            ctx = mp.get_context("spawn")
+            self._queue = ctx.Queue()
+            self._pool = ctx.Pool(self.workers - 1, initializer=_init_worker, initargs=(self._queue,))
+        return self._pool
+
+    def run(self, fn, tasks: list[ShardTask], total: int, desc: str, on_result: Callable[[dict], None]) -> None:
+        """Run ``fn`` over tasks with a bytes/s + ETA bar; ``on_result`` sees each result (in
+        the main thread) as soon as its task is done. The first error stops the run."""
+        from tqdm import tqdm
+
+        todo = collections.deque(tasks)
+        use_pool = self.workers > 1 and (len(tasks) > 1 or self._pool is not None)
+        pool = self._get_pool() if use_pool else None  # spawns before the bar's monitor thread
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not self.show,
+                   dynamic_ncols=True)
+        lock = threading.Lock()
+        done: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # pool results / errors
+        in_flight = [0]
+        threads: list[threading.Thread] = []
+        stop = threading.Event()
+        if pool is not None:
+            idle = self._idle
+
+            def finished(r) -> None:
+                done.put(r)
+                idle.release()
+
+            def dispatch() -> None:  # hands a task to a pool process only once it is up and idle
+                while not stop.is_set():
+                    if not idle.acquire(timeout=0.05):
+                        continue
+                    with lock:
+                        if not todo:
+                            idle.release()
+                            return
+                        t = todo.popleft()
+                        in_flight[0] += 1
+                    pool.apply_async(fn, (t,), callback=finished, error_callback=finished)
+
+            def drain() -> None:
+                while (n := self._queue.get()) is not None:
+                    if n == _READY:
+                        idle.release()
+                    else:
+                        bar.update(n)
+
+            threads = [threading.Thread(target=dispatch, daemon=True), threading.Thread(target=drain, daemon=True)]
+            for th in threads:
+                th.start()
+
+        def collect(block: bool) -> None:
+            while in_flight[0] and (block or not done.empty()):
+                r = done.get()
+                with lock:
+                    in_flight[0] -= 1
+                if isinstance(r, BaseException):
+                    raise r
+                on_result(r)
+
+        saved = _progress.set_sink(bar.update)
+        try:
+            while self.main_works or pool is None:
+                collect(block=False)
+                with lock:
+                    t = todo.popleft() if todo else None
+                if t is None:
+                    break
+                on_result(fn(t))
+            while True:
+                with lock:
+                    busy = bool(todo) or in_flight[0] > 0
+                if not busy:
+                    break
+                if done.empty():
+                    time.sleep(0.01)
+                collect(block=False)
+        finally:
+            with lock:
+                todo.clear()  # stop the dispatcher on error
+            stop.set()
+            _progress.set_sink(saved)
+            if pool is not None:
+                self._queue.put(None)
+                for th in threads:
+                    th.join(timeout=5)
+            bar.close()
+
+
+def _is_within(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def _prepare_output(options: CastOptions, plan: CastPlan) -> Path:
+    """Create/validate the output dir; returns the state dir. Decides fresh run vs resume."""
+    src, out = options.source.resolve(), options.output.resolve()
+    if _is_within(out, src):
+        raise CheckpointError(f"--output_ckpt {options.output} is the source or inside it ({options.source}); refusing")
+    if _is_within(src, out):
+        raise CheckpointError(f"--output_ckpt {options.output} contains the source {options.source}; refusing")
+    state = out / STATE_DIR
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--output_ckpt {options.output}: exists and is not a directory")
+    if out.exists() and any(out.iterdir()):
+        resumable = False
+        try:
+            resumable = json.loads((state / "state.json").read_text()).get("fingerprint") == plan.fingerprint
+        except (OSError, ValueError):
+            pass
+        complete = (out / REPORT_FILE).exists()
+        if resumable and not complete and not options.overwrite:
+            return state  # resume
+        if not options.overwrite:
+            raise CheckpointError(
+                f"--output_ckpt {options.output}: exists and is not empty"
+                + (" (a finished cast)" if complete else "")
+                + "; pass --overwrite to replace it"
+            )
+        if not ((out / REPORT_FILE).exists() or state.exists() or (out / INDEX_FILE).exists()):
+            raise CheckpointError(
+                f"--output_ckpt {options.output}: not empty and not a checkpoint this tool wrote; "
+                "refusing to delete it even with --overwrite"
+            )
+        shutil.rmtree(out)
+    state.mkdir(parents=True, exist_ok=True)
+    write_atomic_text(state / "state.json", json.dumps({"fingerprint": plan.fingerprint}) + "\n")
+    return state
+
+
+def _write_final_files(plan: CastPlan, options: CastOptions) -> int:
+    out = options.output
+    weight_map, total = {}, 0
+    for sp in plan.shards:
+        for it in sp.items:
+            weight_map[it.spec.name] = sp.name
+            total += it.spec.nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_atomic_text(out / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+    cfg = output_config(plan.config, plan.exclude_modules, w4a4=options.w4a4)
+    write_atomic_text(out / CONFIG_FILE, json.dumps(cfg, indent=2) + "\n")
+    hq = hf_quant_config(plan.exclude_modules, producer_version=TOOL_VERSION)
+    write_atomic_text(out / HF_QUANT_CONFIG_FILE, json.dumps(hq, indent=2) + "\n")
+    for rel in plan.side_files:
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.partial")
+        try:
+            shutil.copy2(plan.source / rel, tmp)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"{dst}: copy failed: {exc.strerror or exc}") from exc
+        os.replace(tmp, dst)
+    return total
+
+
+def run_cast(options: CastOptions) -> dict:
+    """Cast ``options.source`` into ``options.output``; returns the report (also written as cast_report.json).
+
+    Raises CheckpointError on bad input, a failed write, --strict violations or a failed --verify.
+    """
+    t_start = time.perf_counter()
+    src = options.source
+    if not src.is_dir():
+        raise CheckpointError(f"--source_ckpt {src}: not a directory")
+    plan = plan_cast(src, w4a4=options.w4a4, trim_a_log=options.trim_a_log, tool_version=TOOL_VERSION)
+    state = _prepare_output(options, plan)
+    for p in options.output.glob(".*.partial"):  # leftovers of an interrupted run
+        p.unlink()
+
+    records: dict[str, dict] = {}
+    for sp in plan.shards:
+        rec = state / f"{sp.name}.json"
+        if rec.exists() and (options.output / sp.name).exists():
+            records[sp.name] = json.loads(rec.read_text())
+    todo = [sp for sp in plan.shards if sp.name not in records]
+    resumed = len(records)
+
+    t0 = time.perf_counter()
+    tasks = [_shard_task(plan, options, sp) for sp in todo]
+
+    def record(r: dict) -> None:
+        # Recorded as soon as the shard is renamed into place: an interruption keeps it.
+        records[r["shard"]] = r
+        write_atomic_text(state / f"{r['shard']}.json", json.dumps(r) + "\n")
+
+    with _Executor(min(options.workers, len(plan.shards)), options.progress, options.main_process_works) as ex:
+        ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), "cast", record)
+        cast_seconds = time.perf_counter() - t0
+        verify_report, verify_seconds = None, 0.0
+        if options.verify:
+            # Shards cast now were verified in-line except their cross-shard groups; shards of
+            # an earlier (resumed) run are verified whole.
+            t1 = time.perf_counter()
+            vres = [records[sp.name]["verify"] for sp in todo]
+            by_name = {sp.name: sp for sp in plan.shards}
+            nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
+            cast_now = {sp.name for sp in todo}
+            full_tasks = [_shard_task(plan, options, sp) for sp in plan.shards if sp.name not in cast_now]
+            for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
+                if ts:
+                    ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), "verify", vres.append)
+            verify_seconds = time.perf_counter() - t1
+    cast_bytes = sum(sp.source_bytes for sp in todo)
+
+    stats = CastStats()
+    matrices = 0
+    for r in records.values():
+        stats = stats + CastStats(**r["stats"])
+        matrices += r["matrices"]
+
+    if options.verify:
+        verify_report = _merge_verify(vres, stats)
+        if verify_report["mismatches"]:
+            raise CheckpointError(
+                "--verify FAILED: " + "; ".join(verify_report["mismatch_examples"]) + f" ({verify_report['mismatches']} mismatches)"
+            )
+
+    output_bytes = _write_final_files(plan, options)
+    a_logs = [a for r in records.values() for a in r["a_log"]]
+    total_seconds = time.perf_counter() - t_start
+    report = {
+        "tool": "k3nvfp4-cast",
+        "version": TOOL_VERSION,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "source": str(options.source),
+        "output": str(options.output),
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.__dict__.items()},
+        "stats": stats.to_dict(),
+        "bit_exact_fraction": stats.exact_blocks / stats.blocks if stats.blocks else 1.0,
+        "matrices_cast": matrices,
+        "shards": {"total": len(plan.shards), "cast_now": len(todo), "resumed": resumed},
+        "bytes": {"source": plan.total_source_bytes, "cast_now": cast_bytes, "output_tensors": output_bytes},
+        "seconds": {"cast": cast_seconds, "verify": verify_seconds, "total": total_seconds},
+        "throughput_gb_per_s": {
+            "cast": cast_bytes / cast_seconds / 1e9 if cast_seconds > 0 and cast_bytes else None,
+            "cast_plus_verify": cast_bytes / (cast_seconds + verify_seconds) / 1e9
+            if options.verify and cast_bytes and cast_seconds + verify_seconds > 0
+            else None,
+        },
+        "a_log": {
+            "tensors": len(a_logs),
+            "padding_all_zero": sum(1 for a in a_logs if a.get("padding_all_zero")),
+            "trimmed": sum(1 for a in a_logs if "trimmed_to" in a),
+            "details": sorted(a_logs, key=lambda a: a["name"]),
+        },
+        "exclude_modules": len(plan.exclude_modules),
+        "verify": verify_report,
+        "per_shard": [records[sp.name] for sp in plan.shards],
+    }
+    write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+    shutil.rmtree(state, ignore_errors=True)
+    return report
+
+
+def _merge_verify(results: list[dict], cast_stats: CastStats) -> dict:
+    keys = ("matrices", "blocks", "proved_blocks", "exact_blocks", "sample_matrices", "sample_elements",
+            "carried_tensors", "mismatches")
+    out = {k: sum(r[k] for r in results) for k in keys}
+    out["max_abs_err"] = max((r["max_abs_err"] for r in results), default=0.0)
+    examples = [e for r in results for e in r["mismatch_examples"]]
+    # The cast's own claims must agree with what was proved from disk.
+    if out["blocks"] != cast_stats.blocks:
+        examples.append(f"verified {out['blocks']} blocks but the cast reported {cast_stats.blocks}")
+    if out["exact_blocks"] != cast_stats.exact_blocks:
+        examples.append(f"{out['exact_blocks']} blocks proved exact on disk but the cast reported {cast_stats.exact_blocks}")
+    if out["max_abs_err"] > cast_stats.max_abs_err * (1 + 1e-9):
+        examples.append(f"max_abs_err on disk {out['max_abs_err']:g} exceeds the cast's {cast_stats.max_abs_err:g}")
+    out["mismatches"] += len(examples) - sum(len(r["mismatch_examples"]) for r in results)
+    out["mismatch_examples"] = examples[:10]
+    return out
+
+
+def format_summary(report: dict) -> str:
+    """The human summary table (like the seed model card's)."""
+    s = report["stats"]
+    pct = 100.0 * report["bit_exact_fraction"]
+    tp = report["throughput_gb_per_s"]
+    a = report["a_log"]
+    rows = [
+        ("Cast fidelity", f"{s['exact_blocks']:,} / {s['blocks']:,} blocks bit-exact ({pct:.4f}%), max_abs_err {s['max_abs_err']:g}"),
+        ("Re-quantized blocks", f"{s['out_of_range_blocks']:,} outside the 17-binade window "
+         f"({s['zero_exponent_blocks']:,} zero-exponent blocks among all blocks)"),
+        ("Matrices cast", f"{report['matrices_cast']:,} (routed MoE experts)"),
+        ("Shards", f"{report['shards']['total']} ({report['shards']['resumed']} resumed)"),
+        ("A_log", f"{a['tensors']} checked, padding exactly zero in {a['padding_all_zero']}, trimmed {a['trimmed']}"),
+        ("exclude_modules", f"{report['exclude_modules']} globs"),
+        ("Time", f"cast {report['seconds']['cast']:.2f} s"
+         + (f" (each shard verified in-line), final verify pass {report['seconds']['verify']:.2f} s"
+            if report.get("verify") else "")
+         + f", total {report['seconds']['total']:.2f} s"),
+        ("Throughput", "n/a (all shards resumed)" if tp["cast"] is None else f"{tp['cast']:.3f} GB/s of source read"
+         + (f" ({tp['cast_plus_verify']:.3f} GB/s with verify)" if tp["cast_plus_verify"] else "")),
+    ]
+    v = report.get("verify")
+    if v:
+        rows.append(("Verify", f"PASSED: {v['exact_blocks']:,} / {v['blocks']:,} blocks proved equal from disk, "
+                     f"{v['sample_matrices']} matrices ({v['sample_elements']:,} values) fully dequantized, "
+                     f"{v['carried_tensors']} carried tensors byte-identical"))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(w)}  {val}" for k, val in rows)

@@ -1,0 +1,484 @@
+"""Synthetic Kimi-K3 MXFP4 checkpoints: the exact release layout, at any size.
+
+The input of the tests, ``make demo`` and the cast benchmark. What it writes mirrors the
+Kimi-K3 release (see FACTS.md):
+
+- ``config.json`` of a ``KimiK3ForConditionalGeneration`` with a nested ``text_config``
+  (SiTU activation, latent MoE sizes, KDA ``linear_attn_config``) whose
+  ``quantization_config`` is compressed-tensors ``mxfp4-pack-quantized``, group 32;
+- ``model.safetensors.index.json`` and ``model-0000i-of-0000n.safetensors`` shards, split by
+  bytes so the experts of one layer may span two shards;
+- per routed expert ``language_model.model.layers.N.block_sparse_moe.experts.E.w{1,2,3}``
+  ``.weight_packed`` (uint8 [out, in/2]) and ``.weight_scale`` (E8M0 uint8 [out, in/32]);
+- layer 0 a dense BF16 MLP; BF16 attention (KDA layers with ``A_log`` stored zero-padded to
+  head_dim as float32, MLA every fourth layer), shared experts, latent projections, router,
+  norms, embeddings, lm_head and a small vision tower;
+- tokenizer, chat template, generation_config.json and a ``*.py`` modelling file.
+
+Random E2M1 bytes cover all 16 codes (``-0`` = code 8 included). E8M0 exponents spread over
+about 12 binades below a per-expert maximum; ``zero_exponent_fraction`` of the blocks get
+byte 0 (2^-127) and ``out_of_range_fraction`` of them lie 18..40 binades below the maximum
+(which no NVFP4 scale pair can represent exactly). Every tensor is drawn from its own seeded
+generator, so contents depend on ``seed`` and the tensor name only, not on the sharding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from .layout import (
+    COMPRESSED_TENSORS_MXFP4_FORMAT,
+    INDEX_FILE,
+    expert_prefix,
+    layer_prefix,
+    shard_file_name,
+)
+
+# Per-expert maximum exponent byte: the K3 experts sit a few binades around 2^0.
+_KMAX_BYTE_RANGE = (118, 132)
+_IN_RANGE_SPREAD = 12  # normal blocks: up to this many binades below the maximum
+_OUT_OF_RANGE_SPREAD = (18, 40)  # beyond the 17 binades an NVFP4 scale pair spans
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[np.random.Generator], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _bf16(shape: tuple[int, ...], std: float = 0.02) -> Callable[[np.random.Generator], torch.Tensor]:
+    def make(rng: np.random.Generator) -> torch.Tensor:
+        x = rng.standard_normal(shape, dtype=np.float32)
+        return torch.from_numpy(x * std).to(torch.bfloat16)
+
+    return make
+
+
+def _f32(shape: tuple[int, ...], fn: Callable[[np.random.Generator], np.ndarray]) -> Callable:
+    def make(rng: np.random.Generator) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(fn(rng), dtype=np.float32).reshape(shape))
+
+    return make
+
+
+def _ones_bf16(shape: tuple[int, ...]) -> Callable[[np.random.Generator], torch.Tensor]:
+    return lambda rng: torch.ones(shape, dtype=torch.bfloat16)
+
+
+def _packed_e2m1(
+    shape: tuple[int, int], scale_make: Callable[[np.random.Generator], torch.Tensor], scale_rng: Callable[[], np.random.Generator]
+) -> Callable[[np.random.Generator], torch.Tensor]:
+    """Random nibbles (all 16 codes); blocks whose E8M0 byte is 0 hold only +-0, as an MXFP4
+    quantizer writes an all-zero block."""
+
+    def make(rng: np.random.Generator) -> torch.Tensor:
+        raw = np.frombuffer(rng.bytes(shape[0] * shape[1]), dtype=np.uint8).reshape(shape[0], -1, 16).copy()
+        zero = scale_make(scale_rng()).numpy() == 0
+        n = int(zero.sum())
+        if n:
+            signed_zeros = np.array([0x00, 0x08, 0x80, 0x88], dtype=np.uint8)  # (+-0, +-0) nibble pairs
+            raw[zero] = signed_zeros[rng.integers(0, 4, size=(n, 16))]
+        return torch.from_numpy(raw.reshape(shape))
+
+    return make
+
+
+def _e8m0_scales(
+    shape: tuple[int, int], kmax_byte: int, out_of_range_fraction: float, zero_exponent_fraction: float
+) -> Callable[[np.random.Generator], torch.Tensor]:
+    def make(rng: np.random.Generator) -> torch.Tensor:
+        n = shape[0] * shape[1]
+        # Binomial spread: most blocks within a few binades of the maximum, a thin tail lower.
+        below = rng.binomial(_IN_RANGE_SPREAD, 0.25, size=n)
+        scale = kmax_byte - below
+        u = rng.random(n)
+        oor = u < out_of_range_fraction
+        zero = (u >= out_of_range_fraction) & (u < out_of_range_fraction + zero_exponent_fraction)
+        lo, hi = _OUT_OF_RANGE_SPREAD
+        scale = np.where(oor, kmax_byte - rng.integers(lo, hi + 1, size=n), scale)
+        scale = np.clip(scale, 1, 254)
+        scale = np.where(zero, 0, scale)
+        return torch.from_numpy(scale.astype(np.uint8).reshape(shape))
+
+    return make
+
+
+def _expert_kmax_byte(seed: int, layer: int, expert: int) -> int:
+    rng = _rng(seed, f"kmax.{layer}.{expert}")
+    return int(rng.integers(*_KMAX_BYTE_RANGE, endpoint=True))
+
+
+def _tensor_plan(
+    *,
+    num_layers: int,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    model_hidden_size: int,
+    num_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    num_shared_experts: int,
+    dense_intermediate_size: int,
+    out_of_range_fraction: float,
+    zero_exponent_fraction: float,
+    seed: int,
+    full_attn_layers: Sequence[int],
+) -> list[_TensorSpec]:
+    D, H, I = model_hidden_size, hidden_size, intermediate_size
+    proj = num_heads * head_dim
+    specs: list[_TensorSpec] = []
+
+    def bf16(name: str, *shape: int, std: float = 0.02) -> None:
+        specs.append(_TensorSpec(name, tuple(shape), torch.bfloat16, _bf16(tuple(shape), std)))
+
+    def norm(name: str, n: int) -> None:
+        specs.append(_TensorSpec(name, (n,), torch.bfloat16, _ones_bf16((n,))))
+
+    specs.append(_TensorSpec("language_model.model.embed_tokens.weight", (vocab_size, D), torch.bfloat16,
+                             _bf16((vocab_size, D))))
+    for n in range(num_layers):
+        p = layer_prefix(n)
+        norm(f"{p}.input_layernorm.weight", D)
+        norm(f"{p}.post_attention_layernorm.weight", D)
+        a = f"{p}.self_attn"
+        if (n + 1) in full_attn_layers:  # MLA
+            q_lora, kv_lora, nope, rope, v = 2 * head_dim, head_dim, head_dim // 2, head_dim // 4, head_dim // 2
+            bf16(f"{a}.q_a_proj.weight", q_lora, D)
+            norm(f"{a}.q_a_layernorm.weight", q_lora)
+            bf16(f"{a}.q_b_proj.weight", num_heads * (nope + rope), q_lora)
+            bf16(f"{a}.kv_a_proj_with_mqa.weight", kv_lora + rope, D)
+            norm(f"{a}.kv_a_layernorm.weight", kv_lora)
+            bf16(f"{a}.kv_b_proj.weight", num_heads * (nope + v), kv_lora)
+            bf16(f"{a}.o_proj.weight", D, num_heads * v)
+        else:  # KimiDeltaAttention
+            for w in ("q_proj", "k_proj", "v_proj", "g_proj"):
+                bf16(f"{a}.{w}.weight", proj, D)
+            bf16(f"{a}.b_proj.weight", num_heads, D)
+            bf16(f"{a}.f_a_proj.weight", head_dim, D)
+            bf16(f"{a}.f_b_proj.weight", proj, head_dim)
+            for w in ("q_conv1d", "k_conv1d", "v_conv1d"):
+                bf16(f"{a}.{w}.weight", proj, 1, 4, std=0.2)
+            # Stored at head_dim: num_heads trained decays, then exact zeros (FACTS.md).
+            specs.append(_TensorSpec(
+                f"{a}.A_log", (head_dim,), torch.float32,
+                _f32((head_dim,), lambda rng: np.concatenate(
+                    [rng.uniform(-1.0, 2.5, num_heads), np.zeros(head_dim - num_heads)])),
+            ))
+            specs.append(_TensorSpec(f"{a}.dt_bias", (proj,), torch.float32,
+                                     _f32((proj,), lambda rng: rng.standard_normal(proj))))
+            norm(f"{a}.o_norm.weight", head_dim)
+            bf16(f"{a}.o_proj.weight", D, proj)
+        if n == 0:  # first_k_dense_replace = 1
+            bf16(f"{p}.mlp.gate_proj.weight", dense_intermediate_size, D)
+            bf16(f"{p}.mlp.up_proj.weight", dense_intermediate_size, D)
+            bf16(f"{p}.mlp.down_proj.weight", D, dense_intermediate_size)
+            continue
+        m = f"{p}.block_sparse_moe"
+        bf16(f"{m}.gate.weight", num_experts, D)
+        specs.append(_TensorSpec(f"{m}.gate.e_score_correction_bias", (num_experts,), torch.float32,
+                                 _f32((num_experts,), lambda rng: rng.standard_normal(num_experts) * 0.01)))
+        shared_i = I * num_shared_experts
+        bf16(f"{m}.shared_experts.gate_proj.weight", shared_i, D)
+        bf16(f"{m}.shared_experts.up_proj.weight", shared_i, D)
+        bf16(f"{m}.shared_experts.down_proj.weight", D, shared_i)
+        bf16(f"{m}.routed_expert_down_proj.weight", H, D)
+        bf16(f"{m}.routed_expert_up_proj.weight", D, H)
+        for e in range(num_experts):
+            kmax = _expert_kmax_byte(seed, n, e)
+            # w2 gets its own maximum (its own scale_2); w1/w3 share one.
+            kmax_w2 = kmax + int(_rng(seed, f"kmax_w2.{n}.{e}").integers(-2, 3))
+            for w, (rows, cols), k in (("w1", (I, H), kmax), ("w3", (I, H), kmax), ("w2", (H, I), kmax_w2)):
+                base = f"{expert_prefix(n, e)}.{w}"
+                scale_make = _e8m0_scales((rows, cols // 32), k, out_of_range_fraction, zero_exponent_fraction)
+                scale_name = f"{base}.weight_scale"
+                specs.append(_TensorSpec(
+                    f"{base}.weight_packed", (rows, cols // 2), torch.uint8,
+                    _packed_e2m1((rows, cols // 2), scale_make, lambda name=scale_name: _rng(seed, name)),
+                ))
+                specs.append(_TensorSpec(scale_name, (rows, cols // 32), torch.uint8, scale_make))
+    specs.append(_TensorSpec("language_model.model.norm.weight", (D,), torch.bfloat16, _ones_bf16((D,))))
+    specs.append(_TensorSpec("language_model.lm_head.weight", (vocab_size, D), torch.bfloat16,
+                             _bf16((vocab_size, D))))
+    # A token vision tower: carried through unquantized like everything that is not an expert.
+    vt = 64
+    bf16("vision_tower.patch_embed.proj.weight", vt, 3 * 14 * 14)
+    bf16("vision_tower.encoder.blocks.0.attn.qkv.weight", 3 * vt, vt)
+    bf16("vision_tower.encoder.blocks.0.attn.proj.weight", vt, vt)
+    norm("vision_tower.encoder.blocks.0.norm0.weight", vt)
+    bf16("mm_projector.proj.0.weight", D, 4 * vt)
+    return specs
+
+
+def _split_shards(specs: list[_TensorSpec], num_shards: int) -> list[list[_TensorSpec]]:
+    """Contiguous split by bytes; each cut is then moved into the nearest run of one layer's
+    expert tensors, so experts of a layer (even one matrix's packed/scale pair) span shards,
+    as in the release."""
+    total = sum(s.nbytes for s in specs)
+    cuts, acc = [], 0
+    for i, s in enumerate(specs):
+        if len(cuts) < num_shards - 1 and acc * num_shards >= total * (len(cuts) + 1) and i > 0:
+            cuts.append(i)
+        acc += s.nbytes
+    runs, start = [], None  # [start, end) of consecutive expert tensors of one layer
+    for i, s in enumerate(specs + [None]):
+        layer = s.name.split(".experts.")[0] if s is not None and ".experts." in s.name else None
+        if start is not None and layer != run_layer:
+            runs.append((start, i))
+            start = None
+        if layer is not None and start is None:
+            start, run_layer = i, layer
+    for k, cut in enumerate(cuts):
+        lo = cuts[k - 1] if k else 0
+        hi = cuts[k + 1] if k + 1 < len(cuts) else len(specs)
+        # a + odd offset: between a matrix's weight_packed and its weight_scale.
+        mids = [m for a, b in runs if b - a >= 2 and lo < (m := a + ((b - a) // 2 | 1)) < hi]
+        if mids:
+            cuts[k] = min(mids, key=lambda m: abs(m - cut))
+    bounds = [0, *cuts, len(specs)]
+    return [specs[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _config(
+    *,
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    hidden_size: int,
+    intermediate_size: int,
+    model_hidden_size: int,
+    num_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    num_shared_experts: int,
+    dense_intermediate_size: int,
+    full_attn_layers: list[int],
+) -> dict:
+    kda_layers = [n + 1 for n in range(num_layers) if (n + 1) not in full_attn_layers]
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": COMPRESSED_TENSORS_MXFP4_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "format": COMPRESSED_TENSORS_MXFP4_FORMAT,
+                "targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"],
+                "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                            "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"},
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*",
+                   "re:vision_tower.*", "re:mm_projector.*"],
+    }
+    text = {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": model_hidden_size,
+        "intermediate_size": dense_intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "head_dim": head_dim,
+        "hidden_act": "situ",
+        "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0,
+        "num_experts": num_experts,
+        "num_experts_per_token": top_k,
+        "moe_intermediate_size": intermediate_size,
+        "routed_expert_hidden_size": hidden_size,
+        "num_shared_experts": num_shared_experts,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 1.0,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "q_lora_rank": 2 * head_dim,
+        "kv_lora_rank": head_dim,
+        "qk_nope_head_dim": head_dim // 2,
+        "qk_rope_head_dim": head_dim // 4,
+        "v_head_dim": head_dim // 2,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "kda_layers": kda_layers,
+            "full_attn_layers": full_attn_layers,
+            "num_heads": num_heads,
+            "head_dim": head_dim,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+        },
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "quantization_config": quant,
+    }
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "auto_map": {
+            "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+            "AutoModelForCausalLM": "modeling_kimi_linear.KimiK3ForConditionalGeneration",
+        },
+        "text_config": text,
+        "vision_config": {"model_type": "kimi_k3_vision", "vt_hidden_size": 64, "text_hidden_size": model_hidden_size},
+        "media_placeholder_token_id": min(163605, vocab_size - 1),
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.57.1",
+    }
+
+
+_SIDE_FILES = {
+    "generation_config.json": json.dumps({"bos_token_id": 1, "eos_token_id": 2, "max_new_tokens": 4096}, indent=2),
+    "tokenizer_config.json": json.dumps(
+        {"tokenizer_class": "TikTokenTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+         "bos_token": "[BOS]", "eos_token": "[EOS]", "model_max_length": 4096}, indent=2),
+    "tiktoken.model": "IQ== 0\nIg== 1\nIw== 2\nJA== 3\n",
+    "chat_template.jinja": "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['content'] }}<|im_end|>{% endfor %}"
+                           "{% if add_generation_prompt %}<|im_assistant|>{% endif %}\n",
+    "tokenization_kimi.py": '"""Synthetic stand-in for the release tokenizer code."""\n',
+    "configuration_kimi_k3.py": '"""Synthetic stand-in for the release configuration code."""\n',
+    "modeling_kimi_linear.py": '"""Synthetic stand-in for the release modelling code."""\n',
+    "README.md": "Synthetic Kimi-K3 MXFP4 checkpoint written by k3nvfp4.checkpoint.synthetic.\n",
+}
+
+
+def write_synthetic_checkpoint(
+    out_dir: str | os.PathLike,
+    *,
+    num_layers: int = 2,
+    num_experts: int = 8,
+    hidden_size: int = 256,
+    intermediate_size: int = 128,
+    num_shards: int = 3,
+    out_of_range_fraction: float = 0.0,
+    zero_exponent_fraction: float = 0.01,
+    seed: int = 0,
+    top_k: int = 4,
+    model_hidden_size: int | None = None,
+    num_heads: int = 6,
+    head_dim: int = 8,
+    vocab_size: int = 256,
+    num_shared_experts: int = 2,
+    dense_intermediate_size: int | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write a synthetic Kimi-K3 MXFP4 checkpoint to ``out_dir`` (created; must be empty or absent).
+
+    num_layers: hidden layers in all (layer 0 is the dense MLP, layers 1.. are MoE);
+    hidden_size / intermediate_size: the routed experts' H and I (w1/w3 [I, H], w2 [H, I]),
+    multiples of 32; model_hidden_size: the residual width (default 2 * hidden_size, the
+    latent-MoE ratio of K3); num_heads <= head_dim: KDA heads (A_log padded to head_dim).
+    Every fourth layer (1-based) uses MLA attention, the others KDA.
+    Returns the checkpoint directory.
+    """
+    if num_layers < 2:
+        raise ValueError(f"num_layers={num_layers}: need >= 2 (layer 0 is dense, MoE layers start at 1)")
+    for arg, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if v <= 0 or v % 32:
+            raise ValueError(f"{arg}={v}: must be a positive multiple of 32 (the MXFP4 block)")
+    if num_heads > head_dim:
+        raise ValueError(f"num_heads={num_heads} > head_dim={head_dim}: A_log is stored padded to head_dim")
+    if not 0.0 <= out_of_range_fraction + zero_exponent_fraction <= 1.0:
+        raise ValueError("out_of_range_fraction + zero_exponent_fraction must lie in [0, 1]")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    D = model_hidden_size or 2 * hidden_size
+    dense_i = dense_intermediate_size or 2 * intermediate_size
+    full_attn_layers = [n + 1 for n in range(num_layers) if (n + 1) % 4 == 0]
+    common = dict(num_layers=num_layers, num_experts=num_experts, hidden_size=hidden_size,
+                  intermediate_size=intermediate_size, model_hidden_size=D, num_heads=num_heads,
+                  head_dim=head_dim, vocab_size=vocab_size, num_shared_experts=num_shared_experts,
+                  dense_intermediate_size=dense_i, full_attn_layers=full_attn_layers)
+    specs = _tensor_plan(**common, out_of_range_fraction=out_of_range_fraction,
+                         zero_exponent_fraction=zero_exponent_fraction, seed=seed)
+    shards = _split_shards(specs, num_shards)
+    weight_map: dict[str, str] = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, desc="synthetic")
+    for i, shard in enumerate(shards):
+        fname = shard_file_name(i, len(shards))
+        tensors = {}
+        for s in shard:
+            t = s.make(_rng(seed, s.name))
+            assert tuple(t.shape) == s.shape and t.dtype == s.dtype, s.name
+            tensors[s.name] = t
+            weight_map[s.name] = fname
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+        if bar is not None:
+            bar.update(sum(s.nbytes for s in shard))
+    if bar is not None:
+        bar.close()
+    index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    cfg = _config(**common, top_k=top_k)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name, text in _SIDE_FILES.items():
+        (out / name).write_text(text)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3nvfp4.checkpoint.synthetic", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output directory (absent or empty)")
+    ap.add_argument("--layers", type=int, default=2, help="hidden layers incl. the dense layer 0")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256, help="routed-expert hidden size H")
+    ap.add_argument("--intermediate", type=int, default=128, help="routed-expert intermediate size I")
+    ap.add_argument("--model-hidden", type=int, default=None, help="residual width (default 2*H)")
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--shards", type=int, default=3)
+    ap.add_argument("--out-of-range-fraction", type=float, default=0.0)
+    ap.add_argument("--zero-exponent-fraction", type=float, default=0.01)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        path = write_synthetic_checkpoint(
+            args.out, num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,
+            intermediate_size=args.intermediate, model_hidden_size=args.model_hidden, top_k=args.top_k,
+            num_shards=args.shards, out_of_range_fraction=args.out_of_range_fraction,
+            zero_exponent_fraction=args.zero_exponent_fraction, seed=args.seed, progress=True,
+        )
+    except (ValueError, FileExistsError) as exc:
+        print(f"error: {exc}")
+        return 2
+    size = sum(f.stat().st_size for f in path.iterdir())
+    print(f"wrote {path} ({size / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

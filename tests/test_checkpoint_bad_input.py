@@ -1,0 +1,177 @@
+"""k3nvfp4-cast on bad input: a clear message naming the file/tensor, a non-zero exit, and no
+corrupted output (nothing half-written under a final name, no config/index/report)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from k3nvfp4.checkpoint import safetensors_io
+from k3nvfp4.checkpoint.cli import main
+from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
+
+SCALE = "language_model.model.layers.1.block_sparse_moe.experts.1.w3.weight_scale"
+PACKED = "language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_packed"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("bad") / "src", num_layers=2, num_experts=2,
+                                      hidden_size=64, intermediate_size=32, num_shards=2, model_hidden_size=64)
+
+
+@pytest.fixture
+def src(pristine, tmp_path) -> Path:
+    d = tmp_path / "src"
+    shutil.copytree(pristine, d)
+    return d
+
+
+def _shard_of(src: Path, name: str) -> Path:
+    wm = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    return src / wm[name]
+
+
+def _rewrite(src: Path, name: str, fn) -> Path:
+    path = _shard_of(src, name)
+    t = load_file(str(path))
+    t[name] = fn(t[name])
+    save_file(t, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _run(src: Path, out: Path, capsys, *extra: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(["--source_ckpt", str(src), "--output_ckpt", str(out), "--workers", "1", "--no-progress", *extra])
+    return rc, capsys.readouterr().err
+
+
+def _assert_no_corrupt_output(out: Path) -> None:
+    for f in ("config.json", "model.safetensors.index.json", "cast_report.json", "hf_quant_config.json"):
+        assert not (out / f).exists(), f
+    if out.exists():
+        assert not list(out.glob(".*.partial"))
+        for f in out.glob("*.safetensors"):
+            load_file(str(f))  # any shard under its final name is complete
+
+
+def test_missing_shard(src, tmp_path, capsys):
+    shard = _shard_of(src, PACKED)
+    shard.unlink()
+    rc, err = _run(src, tmp_path / "out", capsys)
+    assert rc == 1 and str(shard) in err and "missing" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header"])
+def test_truncated_or_corrupt_shard(src, tmp_path, capsys, damage):
+    shard = _shard_of(src, PACKED)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07" * 8 + data[8:])
+    rc, err = _run(src, tmp_path / "out", capsys)
+    assert rc == 1 and str(shard) in err
+    assert ("truncated" in err) if damage == "truncate" else ("corrupt" in err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_index_names_absent_tensor(src, tmp_path, capsys):
+    idx = src / "model.safetensors.index.json"
+    j = json.loads(idx.read_text())
+    shard = j["weight_map"][PACKED]
+    j["weight_map"]["language_model.model.layers.1.block_sparse_moe.experts.9.w1.weight_packed"] = shard
+    idx.write_text(json.dumps(j))
+    rc, err = _run(src, tmp_path / "out", capsys)
+    assert rc == 1 and "experts.9.w1.weight_packed" in err and "absent" in err and shard in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_exponent(src, tmp_path, capsys):
+    def poison(t):
+        t = t.clone()
+        t[1, 0] = 255
+        return t
+
+    path = _rewrite(src, SCALE, poison)
+    out = tmp_path / "out"
+    rc, err = _run(src, out, capsys)
+    assert rc == 1 and "255" in err and "NaN" in err and SCALE.rsplit(".", 1)[0] in err and str(path) in err
+    _assert_no_corrupt_output(out)
+
+
+W2_SCALE = PACKED.replace("weight_packed", "weight_scale")
+
+
+@pytest.mark.parametrize(
+    "edits,name,words",
+    [
+        ([(PACKED, lambda t: t.view(torch.int8))], PACKED, ["dtype I8", "U8"]),
+        ([(SCALE, lambda t: t[:, :1].contiguous())], SCALE, ["shape [32, 1]", "expected [32, 2]"]),
+        # A self-consistent w2 of the wrong size: [64, 64] instead of [H, I] = [64, 32].
+        ([(PACKED, lambda t: torch.cat([t, t], 1)), (W2_SCALE, lambda t: torch.cat([t, t], 1))], PACKED,
+         ["shape [64, 32]", "expected [64, 16]"]),
+    ],
+)
+def test_wrong_dtype_or_shape(src, tmp_path, capsys, edits, name, words):
+    for n, fn in edits:
+        _rewrite(src, n, fn)
+    rc, err = _run(src, tmp_path / "out", capsys)
+    assert rc == 1 and name in err and all(w in err for w in words), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_equal_to_or_inside_source(src, capsys):
+    before = sorted(p.name for p in src.iterdir())
+    for out in (src, src / "nvfp4"):
+        rc, err = _run(src, out, capsys, "--overwrite")
+        assert rc == 1 and "inside" in err
+    assert sorted(p.name for p in src.iterdir()) == before
+    rc, err = _run(src / "sub", src.parent, capsys)  # the output would contain the source
+    assert rc == 1
+
+
+def test_output_exists(src, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    rc, err = _run(src, out, capsys)
+    assert rc == 1 and "--overwrite" in err
+    rc, err = _run(src, out, capsys, "--overwrite")  # not ours: never deleted
+    assert rc == 1 and "refusing" in err
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_disk_write_failure(src, tmp_path, capsys, monkeypatch):
+    class FullDisk:
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    real_enter = safetensors_io.StreamingWriter.__enter__
+
+    def enter(self):
+        w = real_enter(self)  # writes the header, then the disk is full
+        self._f = FullDisk(self._f)
+        return w
+
+    def no_copy(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors_io.StreamingWriter, "__enter__", enter)
+    monkeypatch.setattr(os, "copy_file_range", no_copy)
+    out = tmp_path / "out"
+    rc, err = _run(src, out, capsys)
+    assert rc == 1 and "No space left on device" in err and ".safetensors" in err
+    _assert_no_corrupt_output(out)
+    assert not list(out.glob("*.safetensors"))
