@@ -1,19 +1,35 @@
-"""``make demo``: build a small synthetic Kimi-K3 MXFP4 checkpoint, cast it to NVFP4 with
-``--verify`` and print the summary. Runs on CPU in well under a minute.
+"""``make demo``: the main job on a small built-in example.
 
-    python -m k3nvfp4.checkpoint.demo --workdir build/demo
+1. build a small synthetic Kimi-K3 MXFP4 checkpoint (exact K3 layout and naming);
+2. cast it to NVFP4 with ``k3nvfp4-cast --verify`` and print the summary;
+3. run one MoE layer of the cast checkpoint through the fused Triton kernels (triton_situ)
+   and the plain-torch reference (and SGLang's marlin where it can run) with
+   ``k3nvfp4-ab layer``, and print the error table.
+
+Runs on CPU in about a minute (the Triton kernels in the interpreter).
+
+    python -P -m k3nvfp4.checkpoint.demo --workdir build/demo
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Sequence
 
-from .cli import main as cast_main
-from .synthetic import write_synthetic_checkpoint
+import torch
+
+# Triton decides at kernel-definition time whether to interpret: set it before k3nvfp4.kernels
+# is imported (below, through the cast CLI).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from ..sglang_ext.ab.cli import main as ab_main  # noqa: E402
+from .cli import main as cast_main  # noqa: E402
+from .synthetic import write_synthetic_checkpoint  # noqa: E402
 
 # Small, but every feature of the K3 layout: dense layer 0, KDA + MLA attention, 3 MoE
 # layers whose experts straddle shards, zero-exponent (all +-0) blocks, padded A_log.
@@ -54,11 +70,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3nvfp4.checkpoint.demo", description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("build/demo"))
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32, help="tokens routed through the layer A/B")
     args = ap.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = build_source(args.workdir)
-    cast(src, args.workdir, args.workers)
+    nvfp4 = cast(src, args.workdir, args.workers)
+    layer_ab(nvfp4, args.workdir, args.tokens)
     return 0
+
+
+def layer_ab(nvfp4: Path, workdir: Path, tokens: int) -> None:
+    """One MoE layer of the cast checkpoint: fused Triton kernels vs the plain-torch reference."""
+    argv = ["layer", "--ckpt", str(nvfp4), "--layer", "1", "--tokens", str(tokens), "--out", str(workdir / "ab-layer1")]
+    print("[demo] k3nvfp4-ab " + " ".join(argv))
+    rc = ab_main(argv)
+    if rc != 0:
+        raise SystemExit(f"[demo] k3nvfp4-ab layer failed with exit code {rc}")
 
 
 if __name__ == "__main__":
