@@ -6,7 +6,7 @@ Shapes (per rank of Kimi-K3, FACTS.md):
   ep16: 56 local experts of 896, H=3584, I=3072, top-16 over all 896; ids outside the local
         range become -1 (about 1 local route per token)
 Routing: sigmoid scores, top-16 DISTINCT experts chosen on score + a fixed per-expert bias
-(skewed load: hot and cold experts), weights renormalised (k3nvfp4.kernels.tune.random_routing).
+(skewed load: hot and cold experts), weights renormalised (k3nvfp4.kernels.testing.kimi_routing).
 
 Per point (shape, M):
   time      CUDA events around one call, the L2 flushed before each call (weights come from
@@ -162,24 +162,21 @@ def measure_ceilings(torch, device) -> dict:
 # bf16 baseline: what a user has without this project
 
 
-def dequantized_bf16(torch, tensors, chunk: int = 32):
-    """ModelOpt NVFP4 tensors -> bf16 w13 [E, 2I, H] (gate/up scale_2 applied), w2 [E, H, I]."""
+def dequantized_bf16(torch, weights, chunk: int = 32):
+    """NVFP4MoEWeights -> bf16 w13 [E, 2I, H] (gate/up scale_2 applied), w2 [E, H, I]."""
     from k3nvfp4.kernels import formats
 
-    E, two_i, _ = tensors.w13.shape
-    I = two_i // 2
-    H = tensors.w2.shape[1]
-    w13 = torch.empty(E, two_i, H, dtype=torch.bfloat16, device=tensors.w13.device)
-    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=tensors.w13.device)
+    E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
+    w13q, w13s, w13s2, w2q, w2s, w2s2 = weights.to_modelopt()
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=weights.device)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=weights.device)
     for lo in range(0, E, chunk):
         hi = min(E, lo + chunk)
-        d = formats.dequantize_nvfp4(tensors.w13[lo:hi], tensors.w13_scale[lo:hi], 1.0)
-        d[:, :I] *= tensors.w13_scale_2[lo:hi, 0, None, None]
-        d[:, I:] *= tensors.w13_scale_2[lo:hi, 1, None, None]
+        d = formats.dequantize_nvfp4(w13q[lo:hi], w13s[lo:hi], 1.0)
+        d[:, :I] *= w13s2[lo:hi, 0, None, None]
+        d[:, I:] *= w13s2[lo:hi, 1, None, None]
         w13[lo:hi] = d.to(torch.bfloat16)
-        w2[lo:hi] = formats.dequantize_nvfp4(tensors.w2[lo:hi], tensors.w2_scale[lo:hi], tensors.w2_scale_2[lo:hi]).to(
-            torch.bfloat16
-        )
+        w2[lo:hi] = formats.dequantize_nvfp4(w2q[lo:hi], w2s[lo:hi], w2s2[lo:hi]).to(torch.bfloat16)
         del d
     return w13, w2
 
@@ -308,9 +305,9 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4, fused_moe_nvfp4_reference
+    from k3nvfp4.kernels import fused_moe_nvfp4, fused_moe_nvfp4_reference
     from k3nvfp4.kernels.moe_details.config import current_device_name, get_moe_config
-    from k3nvfp4.kernels.tune import TuneShape, normwise_error, random_modelopt_tensors, random_routing
+    from k3nvfp4.kernels.tune import TuneShape, normwise_error, problem_routing, problem_weights
 
     if not cpu and not torch.cuda.is_available():
         print("bench_moe.py: no CUDA device (use --device cpu for an interpreter smoke run)", file=sys.stderr)
@@ -363,12 +360,11 @@ def main(argv=None) -> int:
             left = args.time_budget - (time.monotonic() - t0)
             shape_deadline = time.monotonic() + left / (len(shapes) - i_shape)
         tshape = TuneShape(shape.E, shape.H, shape.I, shape.top_k, shape.global_experts)
-        tensors = random_modelopt_tensors(tshape, device, seed=args.seed)
-        weights = NVFP4MoEWeights.from_modelopt(*tensors.as_tuple())
+        weights = problem_weights(tshape, device, seed=args.seed)
         w13_bf16 = w2_bf16 = None
         baseline_impl = None
         if not args.no_baseline:
-            w13_bf16, w2_bf16 = dequantized_bf16(torch, tensors)
+            w13_bf16, w2_bf16 = dequantized_bf16(torch, weights)
             baseline_impl = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "per-expert loop"
         info = {**dataclasses.asdict(shape), "baseline_impl": baseline_impl}
         result["shapes"][shape.name] = info
@@ -377,7 +373,7 @@ def main(argv=None) -> int:
         # Correctness, before any timing.
         M = shape.check_m
         x = torch.randn(M, shape.H, device=device, generator=torch.Generator(device).manual_seed(args.seed + 1)).to(dtype)
-        tw, ids = random_routing(M, tshape, device, seed=args.seed + 2)
+        tw, ids = problem_routing(M, tshape, device, seed=args.seed + 2)
         ref = fused_moe_nvfp4_reference(x, weights, tw, ids).float()
         out = torch.full((M, shape.H), float("nan"), dtype=dtype, device=device)
         fused_moe_nvfp4(x, weights, tw, ids, out=out)
@@ -411,7 +407,7 @@ def main(argv=None) -> int:
             point = {"shape": shape.name, "M": M}
             try:
                 x = torch.randn(M, shape.H, device=device, generator=torch.Generator(device).manual_seed(M)).to(dtype)
-                tw, ids = random_routing(M, tshape, device, seed=args.seed + 100 + M)
+                tw, ids = problem_routing(M, tshape, device, seed=args.seed + 100 + M)
                 valid = ids[ids >= 0]
                 distinct = int(torch.unique(valid).numel())
                 routes = int(valid.numel())
@@ -476,7 +472,7 @@ def main(argv=None) -> int:
                 if not cpu:
                     torch.cuda.synchronize()
             result["points"].append(point)
-        del tensors, weights, w13_bf16, w2_bf16
+        del weights, w13_bf16, w2_bf16
         if not cpu:
             torch.cuda.empty_cache()
 

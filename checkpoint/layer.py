@@ -1,4 +1,5 @@
-"""Load one MoE layer of a ModelOpt NVFP4 checkpoint in SGLang's fused-MoE layout."""
+"""One routed-expert MoE layer in NVFP4 (:class:`NVFP4MoELayer`: weights + config facts), and its
+loader from a ModelOpt NVFP4 checkpoint."""
 
 from __future__ import annotations
 
@@ -13,45 +14,42 @@ from typing import Sequence
 import torch
 from safetensors import safe_open
 
+from ..kernels import NVFP4MoEWeights
 from .layout import CONFIG_FILE, INDEX_FILE
 
 
-@dataclass
-class ModelOptMoETensors:
-    """The routed experts of one layer as SGLang's ModelOptNvFp4FusedMoEMethod holds them.
+@dataclass(frozen=True)
+class NVFP4MoELayer:
+    """The routed experts of one NVFP4 MoE layer plus the facts ``fused_moe_nvfp4`` needs.
 
-    E experts (in ``experts`` order), H = routed hidden size, I = moe intermediate size:
-      w13          uint8          [E, 2I, H/2]   gate rows (w1) then up rows (w3)
-      w13_scale    float8_e4m3fn  [E, 2I, H/16]
-      w13_scale_2  float32        [E, 2]         (gate, up) weight_scale_2
-      w2           uint8          [E, H, I/2]
-      w2_scale     float8_e4m3fn  [E, H, I/16]
-      w2_scale_2   float32        [E]
-    plus the activation facts of the model's text config.
+    weights: the E loaded experts (in ``experts`` order) as :class:`NVFP4MoEWeights`
+      (w13 uint8 [E, 2I, H/2] gate rows then up rows, w13_scale E4M3 bits [E, 2I, H/16],
+      w13_scale_2 float32 [E, 2] (gate, up), w2 uint8 [E, H, I/2], w2_scale [E, H, I/16],
+      w2_scale_2 float32 [E]; ``weights.to_modelopt()`` gives SGLang's ModelOpt tensors).
+    hidden_act, situ_beta, situ_linear_beta (None = not set / no cap), top_k,
+    routed_scaling_factor: the model's text config. experts: global ids of the loaded experts,
+    num_global_experts: experts of the whole layer. source: where it came from, for reports.
     """
 
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w13_scale_2: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w2_scale_2: torch.Tensor
-    experts: tuple[int, ...]
-    layer: int
-    hidden_act: str
-    situ_beta: float | None
-    situ_linear_beta: float | None
+    weights: NVFP4MoEWeights
     top_k: int
-    num_experts: int  # in the whole layer (global), not just the loaded ones
+    experts: tuple[int, ...]
+    num_global_experts: int
+    hidden_act: str = "situ"
+    situ_beta: float | None = 4.0
+    situ_linear_beta: float | None = 25.0
     routed_scaling_factor: float = 1.0
+    layer: int | None = None  # layer number in the checkpoint (None: synthetic)
+    source: str = ""
 
-    @property
-    def hidden_size(self) -> int:
-        return self.w2.shape[1]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
+    def activation_kwargs(self) -> dict:
+        """activation / situ_beta / situ_linear_beta / routed_scaling_factor keyword arguments of
+        ``fused_moe_nvfp4`` (and its reference); an unset situ_beta keeps the kernels' 4.0."""
+        kw = dict(activation=self.hidden_act, situ_linear_beta=self.situ_linear_beta,
+                  routed_scaling_factor=self.routed_scaling_factor)
+        if self.situ_beta is not None:
+            kw["situ_beta"] = self.situ_beta
+        return kw
 
 
 def _text_config(ckpt: Path) -> dict:
@@ -61,9 +59,9 @@ def _text_config(ckpt: Path) -> dict:
 
 def load_moe_layer_nvfp4(
     ckpt_dir: str | os.PathLike, layer: int, experts: Sequence[int] | None = None
-) -> ModelOptMoETensors:
+) -> NVFP4MoELayer:
     """Read the routed experts of MoE layer ``layer`` from an NVFP4 checkpoint (as written by
-    ``k3nvfp4-cast``), stacked in SGLang's ModelOpt layout. ``experts``: global expert ids to
+    ``k3nvfp4-cast``), stacked in SGLang's ModelOpt layout, with the layer's config facts. ``experts``: global expert ids to
     load, in this order (default: all of the layer). Each shard is opened once, lazily."""
     ckpt = Path(ckpt_dir)
     index_path = ckpt / INDEX_FILE
@@ -119,21 +117,25 @@ def load_moe_layer_nvfp4(
     for t, n, dt in ((w1, "w1.weight", torch.uint8), (s1, "w1.weight_scale", torch.float8_e4m3fn)):
         if t.dtype != dt:
             raise TypeError(f"{ckpt}: layer {layer} {n} has dtype {t.dtype}, expected {dt} (ModelOpt NVFP4)")
-    return ModelOptMoETensors(
-        w13=torch.cat([w1, w3], dim=1),
-        w13_scale=torch.cat([s1, s3], dim=1),
-        w13_scale_2=torch.stack(
+    weights = NVFP4MoEWeights.from_modelopt(
+        torch.cat([w1, w3], dim=1),
+        torch.cat([s1, s3], dim=1),
+        torch.stack(
             [stack("w1", "weight_scale_2").reshape(-1), stack("w3", "weight_scale_2").reshape(-1)], dim=1
         ).to(torch.float32),
-        w2=stack("w2", "weight"),
-        w2_scale=stack("w2", "weight_scale"),
-        w2_scale_2=stack("w2", "weight_scale_2").reshape(-1).to(torch.float32),
-        experts=expert_ids,
-        layer=int(layer),
+        stack("w2", "weight"),
+        stack("w2", "weight_scale"),
+        stack("w2", "weight_scale_2").reshape(-1).to(torch.float32),
+    )
+    return NVFP4MoELayer(
+        weights=weights,
         hidden_act=text.get("hidden_act", "silu"),
         situ_beta=text.get("activation_situ_beta"),
         situ_linear_beta=text.get("activation_situ_linear_beta"),
         top_k=int(text.get("num_experts_per_token", text.get("num_experts_per_tok", 0))),
-        num_experts=int(text.get("num_experts", len(found))),
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+        experts=expert_ids,
+        num_global_experts=int(text.get("num_experts", len(found))),
+        layer=int(layer),
+        source=f"{ckpt} layer {layer} experts {expert_ids[0]}..{expert_ids[-1]} ({len(expert_ids)})",
     )

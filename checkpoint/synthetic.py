@@ -128,25 +128,33 @@ def _expert_kmax_byte(seed: int, layer: int, expert: int) -> int:
     return int(rng.integers(*_KMAX_BYTE_RANGE, endpoint=True))
 
 
+@dataclass(frozen=True)
+class _ModelShape:
+    """Sizes of the synthetic model (arguments of :func:`write_synthetic_checkpoint`, defaults resolved)."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int  # routed experts' H
+    intermediate_size: int  # routed experts' I
+    model_hidden_size: int  # residual width D
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    num_shared_experts: int
+    dense_intermediate_size: int
+
+    @property
+    def full_attn_layers(self) -> list[int]:
+        """1-based layer numbers with MLA attention: every fourth; the others are KDA."""
+        return [n + 1 for n in range(self.num_layers) if (n + 1) % 4 == 0]
+
+
 def _tensor_plan(
-    *,
-    num_layers: int,
-    num_experts: int,
-    hidden_size: int,
-    intermediate_size: int,
-    model_hidden_size: int,
-    num_heads: int,
-    head_dim: int,
-    vocab_size: int,
-    num_shared_experts: int,
-    dense_intermediate_size: int,
-    out_of_range_fraction: float,
-    zero_exponent_fraction: float,
-    seed: int,
-    full_attn_layers: Sequence[int],
+    dims: _ModelShape, *, out_of_range_fraction: float, zero_exponent_fraction: float, seed: int
 ) -> list[_TensorSpec]:
-    D, H, I = model_hidden_size, hidden_size, intermediate_size
-    proj = num_heads * head_dim
+    D, H, I = dims.model_hidden_size, dims.hidden_size, dims.intermediate_size
+    proj = dims.num_heads * dims.head_dim
     specs: list[_TensorSpec] = []
 
     def bf16(name: str, *shape: int, std: float = 0.02) -> None:
@@ -155,56 +163,57 @@ def _tensor_plan(
     def norm(name: str, n: int) -> None:
         specs.append(_TensorSpec(name, (n,), torch.bfloat16, _ones_bf16((n,))))
 
-    specs.append(_TensorSpec("language_model.model.embed_tokens.weight", (vocab_size, D), torch.bfloat16,
-                             _bf16((vocab_size, D))))
-    for n in range(num_layers):
+    specs.append(_TensorSpec("language_model.model.embed_tokens.weight", (dims.vocab_size, D), torch.bfloat16,
+                             _bf16((dims.vocab_size, D))))
+    for n in range(dims.num_layers):
         p = layer_prefix(n)
         norm(f"{p}.input_layernorm.weight", D)
         norm(f"{p}.post_attention_layernorm.weight", D)
         a = f"{p}.self_attn"
-        if (n + 1) in full_attn_layers:  # MLA
-            q_lora, kv_lora, nope, rope, v = 2 * head_dim, head_dim, head_dim // 2, head_dim // 4, head_dim // 2
+        if (n + 1) in dims.full_attn_layers:  # MLA
+            hd = dims.head_dim
+            q_lora, kv_lora, nope, rope, v = 2 * hd, hd, hd // 2, hd // 4, hd // 2
             bf16(f"{a}.q_a_proj.weight", q_lora, D)
             norm(f"{a}.q_a_layernorm.weight", q_lora)
-            bf16(f"{a}.q_b_proj.weight", num_heads * (nope + rope), q_lora)
+            bf16(f"{a}.q_b_proj.weight", dims.num_heads * (nope + rope), q_lora)
             bf16(f"{a}.kv_a_proj_with_mqa.weight", kv_lora + rope, D)
             norm(f"{a}.kv_a_layernorm.weight", kv_lora)
-            bf16(f"{a}.kv_b_proj.weight", num_heads * (nope + v), kv_lora)
-            bf16(f"{a}.o_proj.weight", D, num_heads * v)
+            bf16(f"{a}.kv_b_proj.weight", dims.num_heads * (nope + v), kv_lora)
+            bf16(f"{a}.o_proj.weight", D, dims.num_heads * v)
         else:  # KimiDeltaAttention
             for w in ("q_proj", "k_proj", "v_proj", "g_proj"):
                 bf16(f"{a}.{w}.weight", proj, D)
-            bf16(f"{a}.b_proj.weight", num_heads, D)
-            bf16(f"{a}.f_a_proj.weight", head_dim, D)
-            bf16(f"{a}.f_b_proj.weight", proj, head_dim)
+            bf16(f"{a}.b_proj.weight", dims.num_heads, D)
+            bf16(f"{a}.f_a_proj.weight", dims.head_dim, D)
+            bf16(f"{a}.f_b_proj.weight", proj, dims.head_dim)
             for w in ("q_conv1d", "k_conv1d", "v_conv1d"):
                 bf16(f"{a}.{w}.weight", proj, 1, 4, std=0.2)
             # Stored at head_dim: num_heads trained decays, then exact zeros (FACTS.md).
             specs.append(_TensorSpec(
-                f"{a}.A_log", (head_dim,), torch.float32,
-                _f32((head_dim,), lambda rng: np.concatenate(
-                    [rng.uniform(-1.0, 2.5, num_heads), np.zeros(head_dim - num_heads)])),
+                f"{a}.A_log", (dims.head_dim,), torch.float32,
+                _f32((dims.head_dim,), lambda rng: np.concatenate(
+                    [rng.uniform(-1.0, 2.5, dims.num_heads), np.zeros(dims.head_dim - dims.num_heads)])),
             ))
             specs.append(_TensorSpec(f"{a}.dt_bias", (proj,), torch.float32,
                                      _f32((proj,), lambda rng: rng.standard_normal(proj))))
-            norm(f"{a}.o_norm.weight", head_dim)
+            norm(f"{a}.o_norm.weight", dims.head_dim)
             bf16(f"{a}.o_proj.weight", D, proj)
         if n == 0:  # first_k_dense_replace = 1
-            bf16(f"{p}.mlp.gate_proj.weight", dense_intermediate_size, D)
-            bf16(f"{p}.mlp.up_proj.weight", dense_intermediate_size, D)
-            bf16(f"{p}.mlp.down_proj.weight", D, dense_intermediate_size)
+            bf16(f"{p}.mlp.gate_proj.weight", dims.dense_intermediate_size, D)
+            bf16(f"{p}.mlp.up_proj.weight", dims.dense_intermediate_size, D)
+            bf16(f"{p}.mlp.down_proj.weight", D, dims.dense_intermediate_size)
             continue
         m = f"{p}.block_sparse_moe"
-        bf16(f"{m}.gate.weight", num_experts, D)
-        specs.append(_TensorSpec(f"{m}.gate.e_score_correction_bias", (num_experts,), torch.float32,
-                                 _f32((num_experts,), lambda rng: rng.standard_normal(num_experts) * 0.01)))
-        shared_i = I * num_shared_experts
+        bf16(f"{m}.gate.weight", dims.num_experts, D)
+        specs.append(_TensorSpec(f"{m}.gate.e_score_correction_bias", (dims.num_experts,), torch.float32,
+                                 _f32((dims.num_experts,), lambda rng: rng.standard_normal(dims.num_experts) * 0.01)))
+        shared_i = I * dims.num_shared_experts
         bf16(f"{m}.shared_experts.gate_proj.weight", shared_i, D)
         bf16(f"{m}.shared_experts.up_proj.weight", shared_i, D)
         bf16(f"{m}.shared_experts.down_proj.weight", D, shared_i)
         bf16(f"{m}.routed_expert_down_proj.weight", H, D)
         bf16(f"{m}.routed_expert_up_proj.weight", D, H)
-        for e in range(num_experts):
+        for e in range(dims.num_experts):
             kmax = _expert_kmax_byte(seed, n, e)
             # w2 gets its own maximum (its own scale_2); w1/w3 share one.
             kmax_w2 = kmax + int(_rng(seed, f"kmax_w2.{n}.{e}").integers(-2, 3))
@@ -218,8 +227,8 @@ def _tensor_plan(
                 ))
                 specs.append(_TensorSpec(scale_name, (rows, cols // 32), torch.uint8, scale_make))
     specs.append(_TensorSpec("language_model.model.norm.weight", (D,), torch.bfloat16, _ones_bf16((D,))))
-    specs.append(_TensorSpec("language_model.lm_head.weight", (vocab_size, D), torch.bfloat16,
-                             _bf16((vocab_size, D))))
+    specs.append(_TensorSpec("language_model.lm_head.weight", (dims.vocab_size, D), torch.bfloat16,
+                             _bf16((dims.vocab_size, D))))
     # A token vision tower: carried through unquantized like everything that is not an expert.
     vt = 64
     bf16("vision_tower.patch_embed.proj.weight", vt, 3 * 14 * 14)
@@ -259,22 +268,8 @@ def _split_shards(specs: list[_TensorSpec], num_shards: int) -> list[list[_Tenso
     return [specs[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _config(
-    *,
-    num_layers: int,
-    num_experts: int,
-    top_k: int,
-    hidden_size: int,
-    intermediate_size: int,
-    model_hidden_size: int,
-    num_heads: int,
-    head_dim: int,
-    vocab_size: int,
-    num_shared_experts: int,
-    dense_intermediate_size: int,
-    full_attn_layers: list[int],
-) -> dict:
-    kda_layers = [n + 1 for n in range(num_layers) if (n + 1) not in full_attn_layers]
+def _config(dims: _ModelShape) -> dict:
+    kda_layers = [n + 1 for n in range(dims.num_layers) if (n + 1) not in dims.full_attn_layers]
     quant = {
         "quant_method": "compressed-tensors",
         "format": COMPRESSED_TENSORS_MXFP4_FORMAT,
@@ -295,21 +290,21 @@ def _config(
     text = {
         "model_type": "kimi_linear",
         "architectures": ["KimiLinearForCausalLM"],
-        "vocab_size": vocab_size,
-        "hidden_size": model_hidden_size,
-        "intermediate_size": dense_intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_heads,
-        "head_dim": head_dim,
+        "vocab_size": dims.vocab_size,
+        "hidden_size": dims.model_hidden_size,
+        "intermediate_size": dims.dense_intermediate_size,
+        "num_hidden_layers": dims.num_layers,
+        "num_attention_heads": dims.num_heads,
+        "num_key_value_heads": dims.num_heads,
+        "head_dim": dims.head_dim,
         "hidden_act": "situ",
         "activation_situ_beta": 4.0,
         "activation_situ_linear_beta": 25.0,
-        "num_experts": num_experts,
-        "num_experts_per_token": top_k,
-        "moe_intermediate_size": intermediate_size,
-        "routed_expert_hidden_size": hidden_size,
-        "num_shared_experts": num_shared_experts,
+        "num_experts": dims.num_experts,
+        "num_experts_per_token": dims.top_k,
+        "moe_intermediate_size": dims.intermediate_size,
+        "routed_expert_hidden_size": dims.hidden_size,
+        "num_shared_experts": dims.num_shared_experts,
         "first_k_dense_replace": 1,
         "moe_layer_freq": 1,
         "moe_renormalize": True,
@@ -319,17 +314,17 @@ def _config(
         "num_expert_group": 1,
         "topk_group": 1,
         "topk_method": "noaux_tc",
-        "q_lora_rank": 2 * head_dim,
-        "kv_lora_rank": head_dim,
-        "qk_nope_head_dim": head_dim // 2,
-        "qk_rope_head_dim": head_dim // 4,
-        "v_head_dim": head_dim // 2,
+        "q_lora_rank": 2 * dims.head_dim,
+        "kv_lora_rank": dims.head_dim,
+        "qk_nope_head_dim": dims.head_dim // 2,
+        "qk_rope_head_dim": dims.head_dim // 4,
+        "v_head_dim": dims.head_dim // 2,
         "mla_use_nope": True,
         "linear_attn_config": {
             "kda_layers": kda_layers,
-            "full_attn_layers": full_attn_layers,
-            "num_heads": num_heads,
-            "head_dim": head_dim,
+            "full_attn_layers": dims.full_attn_layers,
+            "num_heads": dims.num_heads,
+            "head_dim": dims.head_dim,
             "short_conv_kernel_size": 4,
             "use_full_rank_gate": True,
         },
@@ -348,8 +343,8 @@ def _config(
             "AutoModelForCausalLM": "modeling_kimi_linear.KimiK3ForConditionalGeneration",
         },
         "text_config": text,
-        "vision_config": {"model_type": "kimi_k3_vision", "vt_hidden_size": 64, "text_hidden_size": model_hidden_size},
-        "media_placeholder_token_id": min(163605, vocab_size - 1),
+        "vision_config": {"model_type": "kimi_k3_vision", "vt_hidden_size": 64, "text_hidden_size": dims.model_hidden_size},
+        "media_placeholder_token_id": min(163605, dims.vocab_size - 1),
         "torch_dtype": "bfloat16",
         "transformers_version": "4.57.1",
     }
@@ -412,14 +407,13 @@ def write_synthetic_checkpoint(
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    D = model_hidden_size or 2 * hidden_size
-    dense_i = dense_intermediate_size or 2 * intermediate_size
-    full_attn_layers = [n + 1 for n in range(num_layers) if (n + 1) % 4 == 0]
-    common = dict(num_layers=num_layers, num_experts=num_experts, hidden_size=hidden_size,
-                  intermediate_size=intermediate_size, model_hidden_size=D, num_heads=num_heads,
-                  head_dim=head_dim, vocab_size=vocab_size, num_shared_experts=num_shared_experts,
-                  dense_intermediate_size=dense_i, full_attn_layers=full_attn_layers)
-    specs = _tensor_plan(**common, out_of_range_fraction=out_of_range_fraction,
+    dims = _ModelShape(
+        num_layers=num_layers, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, model_hidden_size=model_hidden_size or 2 * hidden_size,
+        num_heads=num_heads, head_dim=head_dim, vocab_size=vocab_size, num_shared_experts=num_shared_experts,
+        dense_intermediate_size=dense_intermediate_size or 2 * intermediate_size,
+    )
+    specs = _tensor_plan(dims, out_of_range_fraction=out_of_range_fraction,
                          zero_exponent_fraction=zero_exponent_fraction, seed=seed)
     shards = _split_shards(specs, num_shards)
     weight_map: dict[str, str] = {}
@@ -444,7 +438,7 @@ def write_synthetic_checkpoint(
         bar.close()
     index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    cfg = _config(**common, top_k=top_k)
+    cfg = _config(dims)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name, text in _SIDE_FILES.items():
         (out / name).write_text(text)

@@ -1,5 +1,6 @@
 """Tensor-level code of kimi-k3-nvfp4: FP4 format codecs, the MXFP4 -> NVFP4 cast, and
-the fused NVFP4 MoE kernels. No file I/O here."""
+the fused NVFP4 MoE kernels. No file I/O here. ``k3nvfp4.kernels.testing`` (imported on its
+own) builds seeded random NVFP4 experts and routings for tests, the tuner and benchmarks."""
 
 from . import formats
 from .cast import CastStats, MXFP4Weight, NVFP4Weight, cast_expert, cast_mxfp4_to_nvfp4

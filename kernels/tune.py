@@ -50,6 +50,8 @@ from .moe_details.config import (
     current_device_name,
     heuristic_moe_config,
 )
+from .moe_details.weights import NVFP4MoEWeights
+from .testing import kimi_routing, random_nvfp4_moe_weights
 
 PARTIAL_SUFFIX = ".partial.json"
 _PARTIAL_VERSION = 1
@@ -135,70 +137,20 @@ def shape_from_model_config(path: str | os.PathLike, tp_size: int = 1, ep_size: 
 # Synthetic problem (also used by bench/bench_moe.py)
 
 
-@dataclass
-class ModelOptTensors:
-    """Random NVFP4 expert weights in SGLang's ModelOpt layout (see FACTS.md)."""
-
-    w13: torch.Tensor  # uint8 [E, 2I, H/2]
-    w13_scale: torch.Tensor  # float8_e4m3fn [E, 2I, H/16]
-    w13_scale_2: torch.Tensor  # float32 [E, 2] (gate, up)
-    w2: torch.Tensor  # uint8 [E, H, I/2]
-    w2_scale: torch.Tensor  # float8_e4m3fn [E, H, I/16]
-    w2_scale_2: torch.Tensor  # float32 [E]
-
-    def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return (self.w13, self.w13_scale, self.w13_scale_2, self.w2, self.w2_scale, self.w2_scale_2)
+def problem_weights(shape: TuneShape, device: torch.device | str, seed: int = 0) -> NVFP4MoEWeights:
+    """The tuner's and bench_moe's experts: random NVFP4 weights (uniform codes, mantissa-bearing
+    E4M3 block scales, gate != up scale_2), see :func:`testing.random_nvfp4_moe_weights`."""
+    return random_nvfp4_moe_weights(shape.E, shape.H, shape.I, device=device, seed=seed, block_scales="uniform")
 
 
-def random_modelopt_tensors(shape: TuneShape, device: torch.device | str, seed: int = 0) -> ModelOptTensors:
-    """Random NVFP4 weights whose dequantized values have std ~ 1/sqrt(fan_in).
-
-    Nibbles are uniform codes; block scales are e4m3 in [0.5, 2); gate and up get different
-    scale_2 (exercises the per-half scaling before the activation).
-    """
-    E, H, I = shape.E, shape.H, shape.I
-    g = torch.Generator(device=device).manual_seed(seed)
-    rms_e2m1_times_scale = 2.9 * 1.2  # RMS of uniform E2M1 codes x mean block scale
-
-    def scales(*dims: int) -> torch.Tensor:
-        s = 0.5 + 1.5 * torch.rand(*dims, generator=g, device=device)
-        return s.to(torch.float8_e4m3fn)
-
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, device=device, dtype=torch.uint8)
-    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, device=device, dtype=torch.uint8)
-    jitter = lambda *d: 0.75 + 0.5 * torch.rand(*d, generator=g, device=device)  # noqa: E731
-    base1 = 1.0 / (math.sqrt(H) * rms_e2m1_times_scale)
-    base2 = 1.0 / (math.sqrt(I) * rms_e2m1_times_scale)
-    w13_scale_2 = (base1 * jitter(E, 2) * torch.tensor([1.0, 1.5], device=device)).float()
-    w2_scale_2 = (base2 * jitter(E)).float()
-    return ModelOptTensors(w13, scales(E, 2 * I, H // 16), w13_scale_2, w2, scales(E, H, I // 16), w2_scale_2)
-
-
-def random_routing(
-    M: int,
-    shape: TuneShape,
-    device: torch.device | str,
-    seed: int = 0,
-    expert_offset: int = 0,
-    skew: float = 1.0,
+def problem_routing(
+    M: int, shape: TuneShape, device: torch.device | str, seed: int = 0, expert_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kimi-style routing: sigmoid scores, top_k distinct experts chosen on score + a fixed
-    per-expert bias (std ``skew``: some experts are hot), weights renormalised.
-
-    Returns topk_weights float32 [M, top_k] and topk_ids int32 [M, top_k] in LOCAL numbering:
-    expert ``e`` of the global range maps to ``e - expert_offset``; ids outside this rank's
-    ``E`` experts become -1.
-    """
-    G = shape.global_experts
-    g = torch.Generator(device=device).manual_seed(seed)
-    bias = skew * torch.randn(G, generator=torch.Generator(device=device).manual_seed(12345), device=device)
-    scores = torch.sigmoid(torch.randn(M, G, generator=g, device=device))
-    chosen = torch.topk(scores + bias, shape.top_k, dim=-1).indices
-    weights = scores.gather(1, chosen)
-    weights = weights / weights.sum(-1, keepdim=True)
-    local = chosen - expert_offset
-    local = torch.where((local >= 0) & (local < shape.E), local, torch.full_like(local, -1))
-    return weights.float().contiguous(), local.to(torch.int32).contiguous()
+    """The tuner's and bench_moe's routing: :func:`testing.kimi_routing` over ``shape.global_experts``
+    (topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), ids local to this rank's experts
+    [expert_offset, expert_offset + E), the others -1."""
+    local = range(expert_offset, expert_offset + shape.E)
+    return kimi_routing(M, shape.top_k, shape.global_experts, local_experts=local, device=device, seed=seed)
 
 
 def normwise_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -402,7 +354,7 @@ def tune_batch_size(
 
     x = torch.randn(M, shape.H, generator=torch.Generator(device=device).manual_seed(seed + M), device=device)
     x = x.to(dtype)
-    topk_weights, topk_ids = random_routing(M, shape, device, seed=seed + 7 * M, expert_offset=expert_offset)
+    topk_weights, topk_ids = problem_routing(M, shape, device, seed=seed + 7 * M, expert_offset=expert_offset)
     kw = dict(activation=activation)
     ref = fused_moe_nvfp4_reference(x, weights, topk_weights, topk_ids, **kw).float()
     out = torch.empty(M, shape.H, dtype=dtype, device=device)
@@ -582,8 +534,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     partial_path = final_path.with_name(final_path.name + PARTIAL_SUFFIX)
     key = _shape_key(shape, device_name, space, dtype_name, args.activation)
 
-    from .moe import NVFP4MoEWeights
-
     t_start = time.monotonic()
     deadline = t_start + args.time_budget if args.time_budget else None
     done = {} if args.no_resume else load_partial(partial_path, key)
@@ -597,8 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results: dict[str, dict] = dict(done)
     if todo:
-        tensors = random_modelopt_tensors(shape, device, seed=args.seed)
-        weights = NVFP4MoEWeights.from_modelopt(*tensors.as_tuple())
+        weights = problem_weights(shape, device, seed=args.seed)
         timer = Timer(device, warmup, iters)
         from tqdm.auto import tqdm
 

@@ -12,7 +12,7 @@ import torch
 
 from k3nvfp4.sglang_ext.ab import cli
 from k3nvfp4.sglang_ext.ab.layer import LayerABConfig, run_layer_ab
-from k3nvfp4.sglang_ext.ab.layer_inputs import realistic_routed_inputs, synthetic_experts
+from k3nvfp4.sglang_ext.ab.layer_inputs import realistic_routed_inputs, synthetic_layer
 from k3nvfp4.sglang_ext.ab.metrics import compare_outputs, ulp_bf16
 
 SMALL = dict(num_experts=4, hidden_size=64, intermediate_size=32, top_k=2, tokens=16)
@@ -53,7 +53,9 @@ def test_compare_outputs_hand_computed():
 
 
 def test_synthetic_experts_have_k3_cast_structure():
-    ex = synthetic_experts(3, 64, 32, top_k=2, seed=1)
+    layer = synthetic_layer(3, 64, 32, top_k=2, seed=1)
+    assert (layer.hidden_act, layer.situ_beta, layer.situ_linear_beta, layer.top_k) == ("situ", 4.0, 25.0, 2)
+    ex = layer.weights
     assert ex.w13.shape == (3, 64, 32) and ex.w13_scale.shape == (3, 64, 4) and ex.w2.shape == (3, 64, 16)
     assert torch.equal(ex.w13_scale_2[:, 0], ex.w13_scale_2[:, 1])  # one scale_2 for gate and up
     for s in (ex.w13_scale, ex.w2_scale):  # E4M3 scales are exact powers of two (mantissa bits 0)
@@ -105,7 +107,7 @@ def test_layer_ab_cpu_reference_triton_marlin_unavailable(tmp_path):
 
 
 def test_layer_cli_activation_file_reference_only(tmp_path, capsys):
-    ex = synthetic_experts(4, 64, 32, top_k=2, seed=0)
+    ex = synthetic_layer(4, 64, 32, top_k=2, seed=0)
     r = realistic_routed_inputs(5, 64, 4, 2, seed=9)
     f = tmp_path / "act.pt"
     torch.save({"hidden_states": r.hidden_states, "topk_ids": r.topk_ids, "topk_weights": r.topk_weights}, f)
@@ -115,9 +117,9 @@ def test_layer_cli_activation_file_reference_only(tmp_path, capsys):
     rj = json.loads((tmp_path / "o" / "report.json").read_text())
     assert rj["setup"]["tokens"] == 5 and rj["setup"]["inputs"] == str(f) and [a["name"] for a in rj["arms"]] == ["reference"]
     # The reference output RMS must match a direct call on the same tensors.
-    from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4_reference
+    from k3nvfp4.kernels import fused_moe_nvfp4_reference
 
-    out = fused_moe_nvfp4_reference(r.hidden_states, NVFP4MoEWeights.from_modelopt(*ex.tensors()), r.topk_weights, r.topk_ids)
+    out = fused_moe_nvfp4_reference(r.hidden_states, ex.weights, r.topk_weights, r.topk_ids)
     assert rj["arms"][0]["output_rms"] == pytest.approx(float(out.double().pow(2).mean().sqrt()))
     assert "| reference | ok |" in capsys.readouterr().out
 

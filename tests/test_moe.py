@@ -16,7 +16,7 @@ from k3nvfp4.kernels import (
     fused_moe_nvfp4,
     fused_moe_nvfp4_reference,
 )
-from k3nvfp4.kernels.moe_details.random_weights import random_nvfp4_moe_weights, random_routing
+from k3nvfp4.kernels.testing import random_nvfp4_moe_weights, random_routing
 
 # CPU tensors run in the Triton interpreter (conftest sets TRITON_INTERPRET without CUDA); on a
 # GPU machine the same cases run on the GPU.

@@ -54,7 +54,7 @@ def test_reference_two_pass_mode_matches_sglang_activation():
     """fused_moe_nvfp4_reference(round_gemm1_output=True) = GEMM1 output rounded to bf16, then
     SGLang's SituAndMul.forward_native, as SGLang's two-pass runners compute it."""
     from k3nvfp4.kernels import formats, fused_moe_nvfp4_reference
-    from k3nvfp4.kernels.moe_details.random_weights import random_nvfp4_moe_weights, random_routing
+    from k3nvfp4.kernels.testing import random_nvfp4_moe_weights, random_routing
 
     E, k, M, H, I = 3, 2, 7, 64, 32
     w = random_nvfp4_moe_weights(E, H, I, seed=5)

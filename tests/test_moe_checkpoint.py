@@ -1,7 +1,7 @@
 """One MoE layer of a synthetic K3 checkpoint, cast by k3nvfp4-cast, through the fused kernel.
 
 Chain: write_synthetic_checkpoint (MXFP4) -> k3nvfp4.checkpoint.cli.main (NVFP4) ->
-load_moe_layer_nvfp4 -> NVFP4MoEWeights -> fused_moe_nvfp4, compared with (a) the reference on
+load_moe_layer_nvfp4 (NVFP4MoELayer.weights) -> fused_moe_nvfp4, compared with (a) the reference on
 the same NVFP4 tensors and (b) dense float64 experts decoded from the MXFP4 SOURCE (the cast is
 exact for the synthetic data, so both sides hold the same numbers)."""
 
@@ -15,8 +15,8 @@ from safetensors import safe_open
 from k3nvfp4.checkpoint.cli import main as cast_main
 from k3nvfp4.checkpoint.layer import load_moe_layer_nvfp4
 from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
-from k3nvfp4.kernels import NVFP4MoEWeights, formats, fused_moe_nvfp4, fused_moe_nvfp4_reference
-from k3nvfp4.kernels.moe_details.random_weights import random_routing
+from k3nvfp4.kernels import formats, fused_moe_nvfp4, fused_moe_nvfp4_reference
+from k3nvfp4.kernels.testing import random_routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,10 +42,11 @@ def test_synthetic_checkpoint_layer_through_fused_moe(tmp_path):
 
     t = load_moe_layer_nvfp4(dst, layer)
     assert t.hidden_act == "situ" and t.top_k == k
-    w = NVFP4MoEWeights.from_modelopt(t.w13, t.w13_scale, t.w13_scale_2, t.w2, t.w2_scale, t.w2_scale_2).to(DEV)
+    w = t.weights.to(DEV)
     tw, ids = random_routing(M, k, E, device=DEV, seed=0)
     x = torch.randn(M, H, generator=torch.Generator().manual_seed(0)).to(DEV)
-    kw = dict(activation="situ", situ_beta=t.situ_beta, situ_linear_beta=t.situ_linear_beta)
+    kw = t.activation_kwargs()
+    assert kw == dict(activation="situ", situ_beta=4.0, situ_linear_beta=25.0, routed_scaling_factor=1.0)
     got = fused_moe_nvfp4(x, w, tw, ids, **kw)
     ref = fused_moe_nvfp4_reference(x, w, tw, ids, **kw)
     assert float((got - ref).norm() / ref.norm()) < 2e-5

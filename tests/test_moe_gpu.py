@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3nvfp4.kernels import MoEConfig, fused_moe_nvfp4, fused_moe_nvfp4_reference
-from k3nvfp4.kernels.moe_details.random_weights import random_nvfp4_moe_weights, random_routing
+from k3nvfp4.kernels.testing import random_nvfp4_moe_weights, random_routing
 
 pytestmark = [
     pytest.mark.gpu,

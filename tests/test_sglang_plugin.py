@@ -437,7 +437,7 @@ def test_layer_uses_plugin_runner(single_rank_run):
 
 def test_loaded_tensors_match_checkpoint(single_rank_run):
     """SGLang's weight_loader put the cast tool's tensors where the ModelOpt layout says."""
-    ck, loaded = single_rank_run.ckpt, single_rank_run.loaded
+    ck, loaded = single_rank_run.ckpt.weights, single_rank_run.loaded
     assert torch.equal(loaded["w13"], ck.w13) and torch.equal(loaded["w2"], ck.w2)
     assert torch.equal(loaded["w13_scale"].view(torch.uint8), ck.w13_scale.view(torch.uint8))
     assert torch.equal(loaded["w2_scale"].view(torch.uint8), ck.w2_scale.view(torch.uint8))

@@ -110,7 +110,7 @@ def test_atomic_write_and_partial_key_mismatch(tmp_path):
 
 def test_routing_is_realistic():
     shape = tune.TuneShape(E=56, H=64, I=32, top_k=16, global_experts=896)
-    tw, ids = tune.random_routing(512, shape, "cpu", seed=3)
+    tw, ids = tune.problem_routing(512, shape, "cpu", seed=3)
     assert tw.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (512, 16)
     torch.testing.assert_close(tw.sum(-1), torch.ones(512))
     assert ((ids >= -1) & (ids < 56)).all()
@@ -120,7 +120,7 @@ def test_routing_is_realistic():
     counts = torch.bincount(local.long(), minlength=56).float()
     assert counts.max() > 3 * counts.mean()
     # distinct experts per token in the global routing
-    _, gids = tune.random_routing(64, tune.TuneShape(896, 64, 32, 16, 896), "cpu", seed=4)
+    _, gids = tune.problem_routing(64, tune.TuneShape(896, 64, 32, 16, 896), "cpu", seed=4)
     assert all(len(set(r.tolist())) == 16 for r in gids)
 
 
@@ -165,7 +165,7 @@ def test_candidate_failures_are_skipped_with_a_note(monkeypatch):
     monkeypatch.setattr(moe, "fused_moe_nvfp4", broken)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = tune.TuneShape(4, 48, 32, 2, 4)
-    weights = moe.NVFP4MoEWeights.from_modelopt(*tune.random_modelopt_tensors(shape, device).as_tuple())
+    weights = tune.problem_weights(shape, device)
     best, tried, complete = tune.tune_batch_size(
         3, shape, weights, "tiny", tune.Timer(device, 0, 1), device=device, dtype=torch.float32,
         activation="situ", tol=1e-4, seed=0, expert_offset=0, max_configs=None, deadline=None, progress=False,

@@ -1,4 +1,4 @@
-"""The arms of the layer A/B. Each arm turns ModelOpt NVFP4 experts into a callable
+"""The arms of the layer A/B. Each arm turns an NVFP4 MoE layer into a callable
 `run(hidden_states, topk_weights, topk_ids) -> [M, H]`, or raises ArmUnavailable with the
 reason. An unavailable arm is reported as such and never replaced by another one.
 
@@ -15,11 +15,12 @@ reason. An unavailable arm is reported as such and never replaced by another one
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .layer_inputs import ModelOptExperts
+if TYPE_CHECKING:
+    from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
 ARM_NAMES = ("reference", "triton_situ", "marlin")
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -33,27 +34,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _act_kwargs(ex: ModelOptExperts) -> dict:
-    return dict(activation=ex.activation, situ_beta=ex.situ_beta, situ_linear_beta=ex.situ_linear_beta,
-                routed_scaling_factor=ex.routed_scaling_factor)
+def build_reference(ex: NVFP4MoELayer, device: torch.device) -> tuple[RunFn, list[str]]:
+    from k3nvfp4.kernels import fused_moe_nvfp4_reference
 
-
-def build_reference(ex: ModelOptExperts, device: torch.device) -> tuple[RunFn, list[str]]:
-    from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4_reference
-
-    w = NVFP4MoEWeights.from_modelopt(*(t.to(device) for t in ex.tensors()))
-    kw = _act_kwargs(ex)
+    w, kw = ex.weights.to(device), ex.activation_kwargs()
     return (lambda x, tw, ids: fused_moe_nvfp4_reference(x, w, tw, ids, **kw)), []
 
 
-def build_triton_situ(ex: ModelOptExperts, device: torch.device) -> tuple[RunFn, list[str]]:
+def build_triton_situ(ex: NVFP4MoELayer, device: torch.device) -> tuple[RunFn, list[str]]:
     if device.type != "cuda" and not _interpreting():
         raise ArmUnavailable(f"Triton kernels need a CUDA device; tensors are on {device} and TRITON_INTERPRET "
                              "is not set (set TRITON_INTERPRET=1 before triton is imported to run on CPU)")
-    from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4
+    from k3nvfp4.kernels import fused_moe_nvfp4
 
-    w = NVFP4MoEWeights.from_modelopt(*(t.to(device) for t in ex.tensors()))
-    kw = _act_kwargs(ex)
+    w, kw = ex.weights.to(device), ex.activation_kwargs()
     notes = []
     if device.type != "cuda":
         notes.append("Triton interpreter on CPU (fp32 dots); timings are not meaningful. The interpreter truncates "
@@ -80,19 +74,19 @@ def marlin_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def build_marlin(ex: ModelOptExperts, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
     reason = marlin_unavailable_reason(device)
     if reason:
         raise ArmUnavailable(reason)
-    if ex.activation not in ("situ", "silu"):
-        raise ArmUnavailable(f"marlin supports gated silu/situ, not {ex.activation}")
+    if ex.hidden_act not in ("situ", "silu"):
+        raise ArmUnavailable(f"marlin supports gated silu/situ, not {ex.hidden_act}")
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
     from sglang.srt.layers.quantization.marlin_utils import marlin_make_workspace
     from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_nvfp4_layer_for_marlin
 
-    w13, w13_s, w13_s2, w2, w2_s, w2_s2 = (t.to(device) for t in ex.tensors())
+    w13, w13_s, w13_s2, w2, w2_s, w2_s2 = ex.weights.to(device).to_modelopt()
     notes = []
     # Marlin has one global scale for w1 and w3; SGLang keeps the gate column (and warns).
     differ = int((w13_s2[:, 0] != w13_s2[:, 1]).sum())
@@ -105,12 +99,13 @@ def build_marlin(ex: ModelOptExperts, device: torch.device, dtype: torch.dtype) 
     layer.w13_weight_scale, layer.w2_weight_scale = P(w13_s.clone()), P(w2_s.clone())
     layer.w13_weight_scale_2, layer.w2_weight_scale_2 = P(w13_s2[:, 0].clone()), P(w2_s2.clone())
     layer.moe_runner_config = SimpleNamespace(is_gated=True)
-    layer.intermediate_size_per_partition = ex.intermediate_size
+    layer.intermediate_size_per_partition = ex.weights.intermediate_size
     layer.params_dtype = dtype
     prepare_moe_nvfp4_layer_for_marlin(layer, group_size=16)
-    E = ex.num_experts
-    clamp = ex.situ_linear_beta if ex.activation == "situ" else None
-    alpha = ex.situ_beta if ex.activation == "situ" else None
+    E = ex.weights.num_experts
+    situ = ex.hidden_act == "situ"
+    clamp = ex.situ_linear_beta if situ else None
+    alpha = ex.situ_beta if situ else None
 
     def run(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return fused_marlin_moe(
@@ -121,13 +116,13 @@ def build_marlin(ex: ModelOptExperts, device: torch.device, dtype: torch.dtype) 
             w1_global_scale=layer.w13_weight_scale_2, w2_global_scale=layer.w2_weight_scale_2,
             workspace=marlin_make_workspace(x.device, max_blocks_per_sm=4), num_bits=4, is_k_full=True,
             inplace=False, routed_scaling_factor=ex.routed_scaling_factor, clamp_limit=clamp, gemm1_alpha=alpha,
-            activation=ex.activation, is_gated=True,
+            activation=ex.hidden_act, is_gated=True,
         ).to(x.dtype)
 
     return run, notes
 
 
-def build_arm(name: str, ex: ModelOptExperts, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+def build_arm(name: str, ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
     """Callable and notes of arm `name`; raises ArmUnavailable (reason) or ValueError (unknown name)."""
     if name == "reference":
         return build_reference(ex, device)

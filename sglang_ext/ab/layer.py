@@ -11,16 +11,17 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from k3nvfp4.checkpoint.layer import NVFP4MoELayer
+
 from . import plots
 from .arms import ARM_NAMES, ArmUnavailable, build_arm
 from .errors import InputError
-from .layer_inputs import (ModelOptExperts, load_activations, load_checkpoint_experts, realistic_routed_inputs,
-                           synthetic_experts)
+from .layer_inputs import load_activations, load_checkpoint_layer, realistic_routed_inputs, synthetic_layer
 from .metrics import PairMetrics, compare_outputs
 from .report import atomic_write_text, fmt, markdown_table, write_json
 
@@ -123,17 +124,18 @@ DEFINITIONS = {
 }
 
 
-def _load(cfg: LayerABConfig) -> ModelOptExperts:
+def _load(cfg: LayerABConfig) -> NVFP4MoELayer:
     if cfg.synthetic == (cfg.ckpt is not None):
         raise InputError("give exactly one of --ckpt DIR (with --layer) or --synthetic")
     if cfg.synthetic:
-        return synthetic_experts(cfg.num_experts or 8, cfg.hidden_size, cfg.intermediate_size,
-                                 top_k=cfg.top_k or 4, seed=cfg.seed)
-    ex = load_checkpoint_experts(cfg.ckpt, cfg.layer, cfg.num_experts)
+        return synthetic_layer(cfg.num_experts or 8, cfg.hidden_size, cfg.intermediate_size,
+                               top_k=cfg.top_k or 4, seed=cfg.seed)
+    ex = load_checkpoint_layer(cfg.ckpt, cfg.layer, cfg.num_experts)
     if cfg.top_k:
-        ex.top_k = cfg.top_k
-    if ex.top_k > ex.num_experts:
-        raise InputError(f"top-k {ex.top_k} > loaded experts {ex.num_experts}; load more experts or pass --top-k")
+        ex = replace(ex, top_k=cfg.top_k)
+    E = ex.weights.num_experts
+    if ex.top_k > E:
+        raise InputError(f"top-k {ex.top_k} > loaded experts {E}; load more experts or pass --top-k")
     return ex
 
 
@@ -165,10 +167,11 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
     if cfg.activations is not None and not Path(cfg.activations).is_file():  # fail before loading weights
         raise InputError(f"--activations: file not found: {cfg.activations}")
     ex = _load(cfg)
+    w = ex.weights
     if cfg.activations is not None:
-        inp = load_activations(cfg.activations, ex.hidden_size, ex.num_experts, dtype)
+        inp = load_activations(cfg.activations, w.hidden_size, w.num_experts, dtype)
     else:
-        inp = realistic_routed_inputs(cfg.tokens, ex.hidden_size, ex.num_experts, ex.top_k, seed=cfg.seed, dtype=dtype)
+        inp = realistic_routed_inputs(cfg.tokens, w.hidden_size, w.num_experts, ex.top_k, seed=cfg.seed, dtype=dtype)
     x, tw, ids = inp.hidden_states.to(device), inp.topk_weights.to(device), inp.topk_ids.to(device)
     repeats = cfg.repeats if cfg.repeats is not None else (5 if device.type == "cuda" else 1)
 
@@ -190,11 +193,11 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
         outputs[name] = out
         results.append(ArmResult(name, "ok", times, notes, float(out.double().pow(2).mean().sqrt())))
 
-    pairs = [compare_outputs(outputs[a], outputs[b], ids, ex.num_experts, name_a=a, name_b=b)
+    pairs = [compare_outputs(outputs[a], outputs[b], ids, w.num_experts, name_a=a, name_b=b)
              for a, b in PAIRS if a in outputs and b in outputs]
     setup = {"weights": ex.source, "inputs": inp.source, "tokens": int(x.shape[0]), "top_k": int(ids.shape[1]),
-             "num_experts": ex.num_experts, "hidden_size": ex.hidden_size, "intermediate_size": ex.intermediate_size,
-             "dtype": cfg.dtype, "activation": ex.activation, "situ_beta": ex.situ_beta,
+             "num_experts": w.num_experts, "hidden_size": w.hidden_size, "intermediate_size": w.intermediate_size,
+             "dtype": cfg.dtype, "activation": ex.hidden_act, "situ_beta": ex.situ_beta,
              "situ_linear_beta": ex.situ_linear_beta, "routed_scaling_factor": ex.routed_scaling_factor,
              "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
              "seed": cfg.seed, "torch": torch.__version__, "python": platform.python_version(),
@@ -207,7 +210,7 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
         pass
     rep = LayerABReport(setup, results, pairs)
     if cfg.out_dir is not None:
-        _write(rep, Path(cfg.out_dir), outputs, ex.num_experts, cfg.plots)
+        _write(rep, Path(cfg.out_dir), outputs, w.num_experts, cfg.plots)
     return rep
 
 
