@@ -8,7 +8,8 @@ step when permitted:
   copy          shutil.copyfile of every shard (+ fsync, as the cast fsyncs its shards)
   cast          k3nvfp4-cast without --verify
   cast+verify   k3nvfp4-cast --verify
-in GB/s of source bytes read per wall-clock second, and writes
+in GB/s of source bytes read per wall-clock second, plus the tensor-level time of casting one
+K3 expert (in memory, one thread) with 0% and 0.5% zero-exponent blocks, and writes
 bench/results/cast-<host>.json. Targets: cast >= 0.9x copy, cast+verify >= 0.7x copy.
 The scratch data is deleted afterwards unless --keep.
 """
@@ -67,6 +68,43 @@ def _disk(path: Path) -> dict:
     return {"path": str(path), "device": dev[0].split() if dev else None, "free_gb": st.free / 1e9}
 
 
+def expert_cast_ms(zero_exponent_fraction: float, repeats: int = 9, seed: int = 0) -> dict:
+    """Median/min wall time (ms) of ``cast_expert`` on one K3 expert held in memory, one torch
+    thread; zero-exponent blocks hold +-0 nibbles only (what MXFP4 quantizers write)."""
+    import numpy as np
+    import torch
+
+    from k3nvfp4.kernels.cast import MXFP4Weight, cast_expert
+
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int, name: str) -> MXFP4Weight:
+        nb = cols // 32
+        e8m0 = (130 - rng.binomial(8, 0.25, size=(rows, nb))).astype(np.uint8)
+        zero = rng.random((rows, nb)) < zero_exponent_fraction
+        e8m0[zero] = 0
+        packed = np.frombuffer(rng.bytes(rows * cols // 2), np.uint8).reshape(rows, nb, 16).copy()
+        packed[zero] = np.array([0x00, 0x08, 0x80, 0x88], np.uint8)[rng.integers(0, 4, size=(int(zero.sum()), 16))]
+        return MXFP4Weight(torch.from_numpy(packed.reshape(rows, -1)), torch.from_numpy(e8m0), name)
+
+    h, i = K3_EXPERT["hidden_size"], K3_EXPERT["intermediate_size"]
+    w1, w3, w2 = mat(i, h, "w1"), mat(i, h, "w3"), mat(h, i, "w2")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cast_expert(w1, w3, w2)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            *_, stats = cast_expert(w1, w3, w2)
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    times.sort()
+    return {"zero_exponent_fraction": zero_exponent_fraction, "median_ms": 1e3 * times[len(times) // 2],
+            "min_ms": 1e3 * times[0], "stats": stats.to_dict()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scratch", type=Path, required=True, help="scratch dir on the disk to measure")
@@ -75,7 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--keep", action="store_true", help="keep the scratch data")
     ap.add_argument("--zero-exponent-fraction", type=float, default=0.0,
-                    help="share of all-zero (E8M0 = 0) blocks; they take the cast's re-quantization path")
+                    help="share of all-zero (E8M0 = 0) blocks in the checkpoint (all +-0 nibbles: the cast keeps "
+                    "them without re-quantizing)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
 
@@ -139,6 +178,7 @@ def main(argv=None) -> int:
         "cast_vs_copy": results["cast"]["gb_per_s"] / results["copy"]["gb_per_s"],
         "cast_verify_vs_copy": results["cast_verify"]["gb_per_s"] / results["copy"]["gb_per_s"],
     }
+    per_expert = [expert_cast_ms(f) for f in (0.0, 0.005)]
     load_after = os.getloadavg()
     host = socket.gethostname()
     doc = {
@@ -160,6 +200,7 @@ def main(argv=None) -> int:
                    "expert_shapes": "w1/w3 [3072, 3584], w2 [3584, 3072] (K3)", "generation_seconds": gen_s,
                    "zero_exponent_fraction": args.zero_exponent_fraction, "out_of_range_fraction": 0.0},
         "copy_method": "shutil.copyfile per shard + fsync",
+        "per_expert_cast": per_expert,
         "results": results,
         "ratios": ratios,
         "targets": TARGETS,
@@ -174,6 +215,8 @@ def main(argv=None) -> int:
         print(f"{k:12s} {results[k]['seconds']:7.2f} s  {results[k]['gb_per_s']:.3f} GB/s")
     print(f"cast/copy {ratios['cast_vs_copy']:.3f} (target {TARGETS['cast_vs_copy']}), "
           f"cast+verify/copy {ratios['cast_verify_vs_copy']:.3f} (target {TARGETS['cast_verify_vs_copy']})")
+    for e in per_expert:
+        print(f"one K3 expert, {100 * e['zero_exponent_fraction']:.1f}% zero-exponent blocks: {e['median_ms']:.2f} ms (median)")
     print(f"wrote {path}")
     return 0
 

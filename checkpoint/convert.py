@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import collections
+import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -75,6 +76,7 @@ class _Files:
     def __init__(self, root: Path):
         self.root = root
         self._open: dict[str, object] = {}
+        self._maps: dict[str, mmap.mmap] = {}
 
     def get(self, shard: str):
         f = self._open.get(shard)
@@ -82,7 +84,21 @@ class _Files:
             f = self._open[shard] = open(self.root / shard, "rb")
         return f
 
+    def mapped(self, shard: str) -> mmap.mmap:
+        """The shard mapped MAP_PRIVATE (ACCESS_COPY): readable in place, and nothing written
+        to the mapping can reach the file."""
+        mm = self._maps.get(shard)
+        if mm is None:
+            mm = self._maps[shard] = mmap.mmap(self.get(shard).fileno(), 0, access=mmap.ACCESS_COPY)
+        return mm
+
     def close(self) -> None:
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a tensor still views it; the mapping goes with it
+                pass
+        self._maps.clear()
         for f in self._open.values():
             f.close()
         self._open.clear()
@@ -92,10 +108,21 @@ def _read(files: _Files, ref) -> torch.Tensor:
     return read_tensor(files.get(ref.shard), ref.entry)
 
 
+def _read_packed(files: _Files, ref) -> torch.Tensor:
+    """The packed nibbles as a view of the mapped source (no copy): the cast reads them only
+    at out-of-range blocks, and an untouched matrix is copied file to file (copy_file_range),
+    so its bytes are read from disk once, by the kernel."""
+    e = ref.entry
+    mm = files.mapped(ref.shard)
+    if e.nbytes == 0 or e.end > len(mm):  # empty, or the file shrank since its header was read
+        return _read(files, ref)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=e.nbytes, offset=e.begin).reshape(e.shape)
+
+
 def _cast_group(files: _Files, task: ShardTask, members: list[ExpertMatrix]) -> tuple[dict[str, torch.Tensor], CastStats, int]:
     weights, nbytes = [], 0
     for m in members:
-        packed, scale = _read(files, m.packed), _read(files, m.scale)
+        packed, scale = _read_packed(files, m.packed), _read(files, m.scale)
         nbytes += m.packed.entry.nbytes + m.scale.entry.nbytes
         weights.append(MXFP4Weight(packed, scale, name=f"{task.source / m.scale.shard}: {m.name.base}"))
     try:
@@ -445,23 +472,30 @@ def run_cast(options: CastOptions) -> dict:
         records[r["shard"]] = r
         write_atomic_text(state / f"{r['shard']}.json", json.dumps(r) + "\n")
 
-    with _Executor(min(options.workers, len(plan.shards)), options.progress, options.main_process_works) as ex:
-        ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), "cast", record)
-        cast_seconds = time.perf_counter() - t0
-        verify_report, verify_seconds = None, 0.0
-        if options.verify:
-            # Shards cast now were verified in-line except their cross-shard groups; shards of
-            # an earlier (resumed) run are verified whole.
-            t1 = time.perf_counter()
-            vres = [records[sp.name]["verify"] for sp in todo]
-            by_name = {sp.name: sp for sp in plan.shards}
-            nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
-            cast_now = {sp.name for sp in todo}
-            full_tasks = [_shard_task(plan, options, sp) for sp in plan.shards if sp.name not in cast_now]
-            for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
-                if ts:
-                    ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), "verify", vres.append)
-            verify_seconds = time.perf_counter() - t1
+    # The main process is one of the workers: single-threaded torch like the pool processes
+    # (_init_worker), or its intra-op threads contend for the cores the pool is using.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with _Executor(min(options.workers, len(plan.shards)), options.progress, options.main_process_works) as ex:
+            ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), "cast", record)
+            cast_seconds = time.perf_counter() - t0
+            verify_report, verify_seconds = None, 0.0
+            if options.verify:
+                # Shards cast now were verified in-line except their cross-shard groups; shards of
+                # an earlier (resumed) run are verified whole.
+                t1 = time.perf_counter()
+                vres = [records[sp.name]["verify"] for sp in todo]
+                by_name = {sp.name: sp for sp in plan.shards}
+                nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
+                cast_now = {sp.name for sp in todo}
+                full_tasks = [_shard_task(plan, options, sp) for sp in plan.shards if sp.name not in cast_now]
+                for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
+                    if ts:
+                        ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), "verify", vres.append)
+                verify_seconds = time.perf_counter() - t1
+    finally:
+        torch.set_num_threads(threads)
     cast_bytes = sum(sp.source_bytes for sp in todo)
 
     stats = CastStats()

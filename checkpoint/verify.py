@@ -1,11 +1,15 @@
 """``--verify``: prove from the files on disk that the NVFP4 output equals the MXFP4 source.
 
+Runs in the worker that wrote the shard, right after the rename, so both files are still
+in the page cache; it maps the files (never the tensors just written) and compares in place.
 Per 32-element source block j (vectorised over whole matrices):
-  proof  - the 16 packed bytes are identical and e4m3(scale_a) * scale_2 == e4m3(scale_b) *
-           scale_2 == 2^k_j exactly (float64), or every nibble is +-0 (then any scale gives
-           the same value);
-  other  - blocks without that proof (re-quantized, zero-exponent ...) are dequantized both
-           ways in float64 and compared value by value: exact iff all 32 values are equal.
+  proof  - the 16 packed bytes are identical (raw byte compare of the mapped ranges, no
+           unpacking) and e4m3(scale_a) * scale_2 == e4m3(scale_b) * scale_2 == 2^k_j
+           exactly, checked in the integer domain (scale_2 = 2^m: both E4M3 bytes, read as
+           one uint16, equal a 256-entry table's pair for the E8M0 byte), or every nibble
+           is +-0 and both scales finite (then any scale gives the same value);
+  other  - blocks without that proof (re-quantized ...) are dequantized both ways in
+           float64 and compared value by value: exact iff all 32 values are equal.
 Plus a full dequantize-and-compare (float32, bitwise for exact blocks) of a sample of
 matrices, the output header against the plan, and every carried tensor byte by byte.
 The totals must agree with what the cast reported, or the verification fails.
@@ -15,7 +19,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import math
 import mmap
 
@@ -88,10 +95,47 @@ class _Ctx:
         self.maps.clear()
 
 
+# Byte ranges are compared with libc's memcmp on the mapped memory (one pass, no
+# temporaries); without it (no C library found), np.array_equal in 1 MiB chunks, which
+# keeps its bool temporaries in cache instead of allocating one the size of a tensor.
+_CMP_CHUNK = 1 << 20
+# Rows per step of the sampled full dequantization (its float32 temporaries stay in cache).
+_SAMPLE_ROWS = 128
+
+
+def _load_memcmp():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        fn = libc.memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_MEMCMP = _load_memcmp()
+
+
+def _equal_bytes(a: np.ndarray, b: np.ndarray, *, use_memcmp: bool = True) -> bool:
+    """Raw byte equality of two uint8 arrays (views of mapped files; nothing is unpacked)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    if a.size != b.size:
+        return False
+    if a.size == 0:
+        return True
+    if use_memcmp and _MEMCMP is not None and a.flags.c_contiguous and b.flags.c_contiguous:
+        return _MEMCMP(a.ctypes.data, b.ctypes.data, a.size) == 0
+    for lo in range(0, a.size, _CMP_CHUNK):
+        if not np.array_equal(a[lo : lo + _CMP_CHUNK], b[lo : lo + _CMP_CHUNK]):
+            return False
+    return True
+
+
 def _same_bytes(a: mmap.mmap, a_off: int, b: mmap.mmap, b_off: int, n: int) -> bool:
     if a_off + n > len(a) or b_off + n > len(b):
         return False
-    return bool(np.array_equal(np.frombuffer(a, np.uint8, n, a_off), np.frombuffer(b, np.uint8, n, b_off)))
+    return _equal_bytes(np.frombuffer(a, np.uint8, n, a_off), np.frombuffer(b, np.uint8, n, b_off))
 
 
 def _check_header(ctx: _Ctx) -> None:
@@ -132,6 +176,43 @@ def e4m3_pow2_table(scale_2: float) -> tuple[np.ndarray, np.ndarray] | None:
     bits = np.where(j >= -6, normal, subnormal)
     valid = (j >= formats.E4M3_MIN_EXP2) & (j <= formats.E4M3_MAX_EXP2) & (np.arange(256) != formats.E8M0_NAN)
     return np.where(valid, bits, 0).astype(np.uint8), valid
+
+
+def e4m3_pair_table(scale_2: float) -> np.ndarray | None:
+    """uint32 table, E8M0 byte b -> the two E4M3 bytes of one 32-block read as a uint16
+    (both equal to the bit pattern of 2^(b - 127 - m)), or 0x10000, which no uint16
+    equals, where E4M3 cannot hold that power of two. None when scale_2 is not 2^m."""
+    lut = e4m3_pow2_table(scale_2)
+    if lut is None:
+        return None
+    bits, valid = lut
+    return np.where(valid, bits.astype(np.uint32) * 0x0101, 0x10000).astype(np.uint32)
+
+
+@functools.lru_cache(maxsize=1)
+def _e2m1_byte_values() -> np.ndarray:
+    """uint64 [256]: the two float32 E2M1 values of each packed byte (low nibble first),
+    decoded once by the format codecs; one gather then unpacks a whole row of bytes."""
+    codes = formats.unpack_e2m1(torch.arange(256, dtype=torch.uint8))
+    return formats.e2m1_to_float(codes).numpy().reshape(256, 2).copy().view(np.uint64).reshape(256)
+
+
+def dequantize_rows_mxfp4(packed: np.ndarray, e8m0: np.ndarray) -> np.ndarray:
+    """Same values and float32 rounding as ``formats.dequantize_mxfp4`` (codec tables, one
+    gather per byte). packed uint8 [r, in/2], e8m0 uint8 [r, in/32] -> float32 [r, in]."""
+    v = np.take(_e2m1_byte_values(), packed).view(np.float32).reshape(*e8m0.shape, formats.MXFP4_BLOCK)
+    s = formats.e8m0_to_float(torch.from_numpy(np.ascontiguousarray(e8m0))).numpy()
+    with np.errstate(over="ignore", invalid="ignore"):  # inf / NaN as torch gives them
+        return (v * s[..., None]).reshape(packed.shape[0], -1)
+
+
+def dequantize_rows_nvfp4(packed: np.ndarray, e4m3: np.ndarray, scale_2: float) -> np.ndarray:
+    """Same values and float32 roundings as ``formats.dequantize_nvfp4`` ((value * scale) *
+    scale_2). packed uint8 [r, in/2], e4m3 uint8 bit patterns [r, in/16] -> float32 [r, in]."""
+    v = np.take(_e2m1_byte_values(), packed).view(np.float32).reshape(*e4m3.shape, formats.NVFP4_BLOCK)
+    s = formats.e4m3_to_float(torch.from_numpy(np.ascontiguousarray(e4m3))).numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        return ((v * s[..., None]) * np.float32(scale_2)).reshape(packed.shape[0], -1)
 
 
 def _dequant_blocks_mx(packed16: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
@@ -177,27 +258,28 @@ def _verify_matrix(ctx: _Ctx, m: "ExpertMatrix", sample: bool) -> float:
     pairs = out_s.reshape(-1, 2)
     n = e8m0.numel()
     # Scale proof in the integer domain: with scale_2 = 2^m, e4m3(scale) * scale_2 == 2^k
-    # iff both E4M3 bytes of the block are the bit pattern of 2^(k - m).
-    lut = e4m3_pow2_table(scale_2)
+    # iff both E4M3 bytes of the block are the bit pattern of 2^(k - m): one table gather
+    # and one uint16 compare per block.
+    lut = e4m3_pair_table(scale_2)
     e8m0_np, bits = e8m0.numpy(), pairs.view(torch.uint8).numpy()
     if lut is None:
         scale_ok = np.zeros(n, dtype=bool)
     else:
-        want, valid = lut[0][e8m0_np], lut[1][e8m0_np]
-        scale_ok = valid & (bits[:, 0] == want) & (bits[:, 1] == want)
-    if torch.equal(src_p, out_p):  # nibbles: the common case at memcmp speed
+        scale_ok = np.take(lut, e8m0_np) == bits.view(np.uint16).reshape(-1)
+    n_scale_ok = int(np.count_nonzero(scale_ok))
+    if _equal_bytes(src_p.numpy(), out_p.numpy()):  # nibbles: raw bytes, the common case
         proved = scale_ok
-        cand = np.flatnonzero(~scale_ok)
+        cand = np.flatnonzero(~scale_ok) if n_scale_ok < n else np.zeros(0, dtype=np.int64)
     else:
-        same = (p_src == p_out).all(1).numpy()
+        same = (p_src.numpy() == p_out.numpy()).all(1)
         proved = same & scale_ok
         cand = np.flatnonzero(same & ~scale_ok)
     if cand.size:  # every nibble +-0 and finite scales: the value is 0 whatever the scale
         zero = ((p_src.numpy()[cand] & 0x77) == 0).all(1) & ((bits[cand] & 0x7F) != 0x7F).all(1)
         proved[cand[zero]] = True
-    proved = torch.from_numpy(proved)
-    rest = torch.nonzero(~proved).squeeze(1)
-    exact = int(proved.sum())
+    n_proved = int(np.count_nonzero(proved))
+    rest = torch.from_numpy(np.flatnonzero(~proved)) if n_proved < n else torch.zeros(0, dtype=torch.int64)
+    exact = n_proved
     if rest.numel():
         a = _dequant_blocks_mx(p_src[rest], e8m0[rest])
         b = _dequant_blocks_nv(p_out[rest], pairs[rest], scale_2)
@@ -208,24 +290,31 @@ def _verify_matrix(ctx: _Ctx, m: "ExpertMatrix", sample: bool) -> float:
         ctx.res["max_abs_err"] = max(ctx.res["max_abs_err"], float(err.max()))
     ctx.res["matrices"] += 1
     ctx.res["blocks"] += n
-    ctx.res["proved_blocks"] += int(proved.sum())
+    ctx.res["proved_blocks"] += n_proved
     ctx.res["exact_blocks"] += exact
 
-    if sample:  # full dequantize-and-compare with the format codecs, float32
-        mx = formats.dequantize_mxfp4(src_p, src_s)
-        nv = formats.dequantize_nvfp4(out_p, out_s, torch.tensor(scale_2, dtype=torch.float32))
-        if rest.numel() == 0:
-            ok = torch.equal(mx.view(torch.int32), nv.view(torch.int32))  # bitwise, signed zeros included
-        else:
-            blk = proved.view(src_s.shape).repeat_interleave(32, dim=1)
-            ok = torch.equal(mx.view(torch.int32)[blk], nv.view(torch.int32)[blk])
-            worst = float((mx[~blk] - nv[~blk]).abs().max())
-            if worst > ctx.res["max_abs_err"] * (1 + 1e-6):
-                ctx.fail(f"{base}: dequantized error {worst:g} exceeds the block-level bound")
+    if sample:  # full dequantize-and-compare with the format codecs, float32, row chunk by row chunk
+        proved_rows = None if rest.numel() == 0 else proved.reshape(src_s.shape)
+        sp, ss, op, os_ = src_p.numpy(), src_s.numpy(), out_p.numpy(), out_s.view(torch.uint8).numpy()
+        ok, worst = True, None
+        for r in range(0, sp.shape[0], _SAMPLE_ROWS):
+            rows = slice(r, r + _SAMPLE_ROWS)
+            mx = dequantize_rows_mxfp4(sp[rows], ss[rows]).view(np.int32)
+            nv = dequantize_rows_nvfp4(op[rows], os_[rows], scale_2).view(np.int32)
+            if proved_rows is None:
+                ok = ok and np.array_equal(mx, nv)  # bitwise, signed zeros included
+                continue
+            blk = np.repeat(proved_rows[rows], 32, axis=1)
+            ok = ok and np.array_equal(mx[blk], nv[blk])
+            if not blk.all():
+                d = float(np.abs(mx[~blk].view(np.float32) - nv[~blk].view(np.float32)).max())
+                worst = d if worst is None else max(worst, d)
+        if worst is not None and worst > ctx.res["max_abs_err"] * (1 + 1e-6):
+            ctx.fail(f"{base}: dequantized error {worst:g} exceeds the block-level bound")
         if not ok:
             ctx.fail(f"{base}: values of proved blocks differ after dequantization")
         ctx.res["sample_matrices"] += 1
-        ctx.res["sample_elements"] += mx.numel()
+        ctx.res["sample_elements"] += 2 * src_p.numel()
     _progress.report(m.packed.entry.nbytes + m.scale.entry.nbytes)
     return scale_2
 

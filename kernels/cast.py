@@ -17,6 +17,9 @@ Zero-exponent blocks (e8m0 == 0, what MXFP4 quantizers emit for all-zero blocks)
 ordinary blocks with k = -127: they never raise k_max while any other block exists, and
 are exact when inside the window. When EVERY block of a group has e8m0 == 0, k_max = -127,
 m = -135 and scale_2 = 2^-135 (an FP32 subnormal): every block stays bit-exact.
+An out-of-range block whose 32 nibbles are all +-0 (the usual zero-exponent block) is exact
+under any finite scale: it keeps its bytes, gets E4M3 code 1 (2^-9, what the search would
+pick) and skips the search; it still counts as out of range (and exact).
 
 Statistics are exact and counted in 32-element source blocks.
 """
@@ -32,9 +35,18 @@ import torch
 
 from . import formats
 from .cast_details.requant import requantize_blocks_e4m3
-from .cast_details.scales_torch import ScaleCast, e8m0_to_e4m3_torch, flat_indices, out_of_range_threshold
+from .cast_details.scales_torch import (
+    ScaleCast,
+    count_true,
+    e8m0_to_e4m3_torch,
+    indices_below,
+    out_of_range_threshold,
+)
 
 BACKENDS = ("auto", "torch", "triton")
+# E4M3 scale byte given to out-of-range blocks whose nibbles are all +-0 (see _finish).
+ZERO_BLOCK_SCALE_E4M3 = 0x01
+_E2M1_MAGNITUDE_BITS_64 = 0x7777_7777_7777_7777  # 8 packed bytes (16 nibbles) without sign bits
 
 
 @dataclass(frozen=True)
@@ -221,7 +233,16 @@ def _triton_interpreting() -> bool:
 def _finish(
     w: MXFP4Weight, sc: ScaleCast, e8m0_max: int, scale_2: float
 ) -> tuple[torch.Tensor, torch.Tensor, CastStats]:
-    """Statistics of one matrix, re-quantizing its out-of-range blocks if it has any."""
+    """Statistics of one matrix, re-quantizing its out-of-range blocks if it has any.
+
+    Out-of-range blocks whose 32 nibbles are all +-0 (every zero-exponent block an MXFP4
+    quantizer writes) are exact under ANY finite scale: they keep their bytes and get the
+    E4M3 scale ``ZERO_BLOCK_SCALE_E4M3`` (code 1 = 2^-9, the smallest positive E4M3 value;
+    the code the E4M3 search itself picks for an all-zero 16-block, so the output bytes are
+    those of re-quantizing them). They still count as out of range (and as exact), as
+    before. The packed tensor is copied only when some out-of-range block has a nonzero
+    nibble, so a matrix whose only out-of-range blocks are zero blocks stays on the hot path.
+    """
     n_blocks = w.scale.numel()
     stats = CastStats(
         blocks=n_blocks,
@@ -234,16 +255,29 @@ def _finish(
 
     thr = out_of_range_threshold(e8m0_max)
     e8m0 = w.scale.contiguous().reshape(-1)
-    idx = flat_indices(e8m0 < thr)  # 32-block indices, row-major
-    packed = _copy(w.packed)
-    blocks = packed.view(-1, formats.MXFP4_BLOCK // 2)  # 16 bytes = one 32-block
-    values = formats.e2m1_to_float(formats.unpack_e2m1(blocks[idx])).to(torch.float64)
+    idx = indices_below(e8m0, thr)  # 32-block indices, row-major
+    src_blocks = w.packed.contiguous().view(-1, formats.MXFP4_BLOCK // 2)  # 16 bytes = one 32-block
+    sel = src_blocks[idx]  # [n_oor, 16], a small gather
+    # all 32 nibbles +-0: both 8-byte halves free of magnitude bits
+    zero = ((sel.view(torch.int64) & _E2M1_MAGNITUDE_BITS_64) == 0).all(1)
+    scale_e4m3 = sc.scale_e4m3  # a fresh buffer from either backend
+    pairs = scale_e4m3.view(-1, 2)
+    n_zero = count_true(zero)
+    if n_zero:
+        pairs[idx[zero]] = ZERO_BLOCK_SCALE_E4M3
+        stats.exact_blocks += n_zero
+    if n_zero == idx.numel():
+        return w.packed, scale_e4m3, stats  # only +-0 blocks out of range: nibbles untouched
+
+    keep = ~zero
+    idx, sel = idx[keep], sel[keep]
+    values = formats.e2m1_to_float(formats.unpack_e2m1(sel)).to(torch.float64)
     values = values * torch.exp2(e8m0[idx].to(torch.float64) - formats.E8M0_BIAS).unsqueeze(1)
     res = requantize_blocks_e4m3(values.reshape(-1, formats.NVFP4_BLOCK), scale_2)
 
-    blocks[idx] = formats.pack_e2m1(res.codes.reshape(-1, formats.MXFP4_BLOCK))
-    scale_e4m3 = sc.scale_e4m3  # a fresh buffer from either backend
-    scale_e4m3.view(-1, 2)[idx] = res.scale.view(-1, 2)
+    packed = _copy(w.packed)
+    packed.view(-1, formats.MXFP4_BLOCK // 2)[idx] = formats.pack_e2m1(res.codes.reshape(-1, formats.MXFP4_BLOCK))
+    pairs[idx] = res.scale.view(-1, 2)
     stats.exact_blocks += int(res.exact.view(-1, 2).all(1).sum())
     stats.max_abs_err = float(res.max_abs_err.max())
     return packed, scale_e4m3, stats

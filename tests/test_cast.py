@@ -376,3 +376,105 @@ def test_outputs_save_and_load_with_safetensors():
     assert back["w1.weight_scale"].dtype == torch.float8_e4m3fn and back["w1.weight_scale_2"].shape == ()
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
+# ---------------------------------------------------------------- zero-block fast path
+
+
+def _cast_slow_reference(weights):
+    """The cast as it was before the all-+-0 fast path: EVERY out-of-range block goes
+    through the E4M3 search (copy of the packed bytes, requantize, write back)."""
+    e8m0_max = max(int(w.scale.max()) for w in weights)
+    m = e8m0_max - 127 - 8
+    thr = e8m0_max - 17
+    outs, stats = [], CastStats()
+    for w in weights:
+        d = w.scale.int() - e8m0_max + 8
+        scale = np.where(d.numpy() >= -9, _e4m3_bits_of_exp2(np.maximum(d.numpy(), -9)), 0).astype(np.uint8)
+        scale = torch.from_numpy(np.repeat(scale, 2, axis=1))
+        packed = w.packed.clone()
+        idx = torch.nonzero(w.scale.int().reshape(-1) < thr).squeeze(1)
+        st = CastStats(blocks=w.scale.numel(), exact_blocks=w.scale.numel() - idx.numel(),
+                       zero_exponent_blocks=int((w.scale == 0).sum()), out_of_range_blocks=idx.numel())
+        if idx.numel():
+            blocks = packed.view(-1, 16)
+            vals = _codes64(blocks[idx]) * torch.exp2(w.scale.reshape(-1)[idx].double() - 127).unsqueeze(1)
+            res = requantize_blocks_e4m3(vals.reshape(-1, 16), 2.0**m)
+            blocks[idx] = formats.pack_e2m1(res.codes.reshape(-1, 32))
+            scale.view(-1, 2)[idx] = res.scale.view(-1, 2)
+            st.exact_blocks += int(res.exact.view(-1, 2).all(1).sum())
+            st.max_abs_err = float(res.max_abs_err.max())
+        outs.append((packed, scale, 2.0**m))
+        stats = stats + st
+    return outs, stats
+
+
+def _with_zero_blocks(rng, rows, cols, top, zero_frac, nonzero_frac, oor_frac=0.0):
+    """Random weight whose e8m0 == 0 blocks hold only +-0 nibbles (what quantizers write),
+    except a share ``nonzero_frac`` of them that keep random nibbles; ``oor_frac`` of the
+    blocks get an ordinary out-of-range byte (top - 18 .. top - 40)."""
+    nb = cols // 32
+    e8m0 = rng.integers(max(top - 17, 1), top + 1, size=(rows, nb)).astype(np.uint8)
+    u = rng.random((rows, nb))
+    e8m0[u < oor_frac] = np.clip(top - rng.integers(18, 41, size=int((u < oor_frac).sum())), 1, 254)
+    zero = (u >= oor_frac) & (u < oor_frac + zero_frac)
+    zero.reshape(-1)[0] = False
+    e8m0[zero] = 0
+    e8m0.reshape(-1)[0] = top
+    packed = rng.integers(0, 256, size=(rows, nb, 16)).astype(np.uint8)
+    all_zero = zero & (rng.random((rows, nb)) >= nonzero_frac)
+    packed[all_zero] = np.array([0x00, 0x08, 0x80, 0x88], np.uint8)[rng.integers(0, 4, size=(int(all_zero.sum()), 16))]
+    # some blocks with one +-0 16-half and one nonzero half (the half goes through the search)
+    half = zero & ~all_zero & (rng.random((rows, nb)) < 0.5)
+    packed[half, :8] = 0x88
+    return MXFP4Weight(torch.from_numpy(packed.reshape(rows, -1)), torch.from_numpy(e8m0), "w"), int(all_zero.sum())
+
+
+@pytest.mark.parametrize(
+    "seed,zero_frac,nonzero_frac,oor_frac",
+    [
+        (0, 0.05, 0.0, 0.0),  # only all-zero blocks out of range: no copy, no search
+        (1, 0.05, 0.3, 0.0),  # zero-exponent blocks, some with nonzero nibbles
+        (2, 0.1, 0.2, 0.05),  # plus ordinary out-of-range blocks
+        (3, 0.0, 0.0, 0.1),  # no zero-exponent blocks at all
+        (4, 1.0, 0.0, 0.0),  # every block but the first (byte 130) e8m0 == 0 and all +-0
+    ],
+)
+def test_zero_block_fast_path_matches_slow_path(seed, zero_frac, nonzero_frac, oor_frac):
+    rng = np.random.default_rng(seed)
+    w1, z1 = _with_zero_blocks(rng, 24, 256, 130, zero_frac, nonzero_frac, oor_frac)
+    w3, z3 = _with_zero_blocks(rng, 24, 256, 130, zero_frac, nonzero_frac, oor_frac)
+    ref, ref_stats = _cast_slow_reference([w1, w3])
+    got, stats = cast_mxfp4_to_nvfp4([w1, w3])
+    assert stats == ref_stats
+    for (p, s, s2), n, w in zip(ref, got, (w1, w3)):
+        assert torch.equal(n.packed, p), "nibbles differ from the slow path"
+        assert torch.equal(n.scale.view(torch.uint8), s), "scales differ from the slow path"
+        assert float(n.scale_2) == s2
+    if nonzero_frac == 0.0 and oor_frac == 0.0:
+        assert z1 + z3 > 0 and stats.out_of_range_blocks == stats.zero_exponent_blocks == z1 + z3
+        assert got[0].packed is w1.packed and got[1].packed is w3.packed  # no copy of the nibbles
+        assert stats.all_exact and stats.max_abs_err == 0.0
+        # the documented scale of an all-+-0 out-of-range block: E4M3 code 1 (2^-9), both halves
+        oor = (w1.scale < 130 - 17).repeat_interleave(2, dim=1)
+        assert (got[0].scale.view(torch.uint8)[oor] == 0x01).all()
+        assert torch.equal(_nv_values64(got[0]), _values64(w1.packed, w1.scale))  # -0 kept
+    else:
+        assert stats.out_of_range_blocks > stats.zero_exponent_blocks - (z1 + z3) >= 0
+
+
+@given(
+    rows=st.integers(1, 6),
+    nblocks=st.integers(1, 6),
+    top=st.integers(1, 254),
+    zero_frac=st.sampled_from([0.0, 0.3, 0.8]),
+    nonzero_frac=st.sampled_from([0.0, 0.5]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_zero_block_fast_path_matches_slow_path(rows, nblocks, top, zero_frac, nonzero_frac, seed):
+    rng = np.random.default_rng(seed)
+    w, _ = _with_zero_blocks(rng, rows, 32 * nblocks, top, zero_frac, nonzero_frac, 0.1)
+    ((p, s, s2),), ref_stats = _cast_slow_reference([w])
+    (n,), stats = cast_mxfp4_to_nvfp4([w])
+    assert stats == ref_stats
+    assert torch.equal(n.packed, p) and torch.equal(n.scale.view(torch.uint8), s) and float(n.scale_2) == s2

@@ -154,3 +154,28 @@ def test_cast_on_cuda_matches_cpu_torch_path():
         assert torch.equal(g.packed.cpu(), r.packed)
         assert torch.equal(g.scale.view(torch.uint8).cpu(), r.scale.view(torch.uint8))
         assert float(g.scale_2) == float(r.scale_2)
+
+
+@pytest.mark.parametrize("nonzero", [False, True])
+def test_triton_backend_zero_block_fast_path_matches_torch(nonzero):
+    # zero-exponent blocks holding only +-0 nibbles (what quantizers write), far below k_max:
+    # the Triton path shares the fast path (no copy of the nibbles, E4M3 code 1 as scale)
+    rng = np.random.default_rng(7 + nonzero)
+    rows, nb = 16, 4
+    e = _e8m0(rng, (rows, nb), 140, 123, 0.25)
+    packed = rng.integers(0, 256, (rows, nb, 16)).astype(np.uint8)
+    zero = e.numpy() == 0
+    packed[zero] = np.array([0x00, 0x08, 0x80, 0x88], np.uint8)[rng.integers(0, 4, (int(zero.sum()), 16))]
+    if nonzero:
+        packed[np.argwhere(zero)[0][0], np.argwhere(zero)[0][1], 3] = 0x21  # one block with real values
+    w = MXFP4Weight(torch.from_numpy(packed.reshape(rows, -1)), e, "w")
+    (ref,), ref_stats = cast_mxfp4_to_nvfp4([w], backend="torch")
+    dev = MXFP4Weight(w.packed.to(KERNEL_DEVICE), w.scale.to(KERNEL_DEVICE), w.name)
+    (got,), got_stats = cast_mxfp4_to_nvfp4([dev], backend="triton")
+    assert got_stats == ref_stats and ref_stats.out_of_range_blocks == int(zero.sum()) > 0
+    assert ref_stats.all_exact != nonzero
+    assert torch.equal(got.packed.cpu(), ref.packed) and torch.equal(got.scale.view(torch.uint8).cpu(), ref.scale.view(torch.uint8))
+    assert (got.packed is dev.packed) != nonzero and (ref.packed is w.packed) != nonzero
+    zero_halves = torch.from_numpy(zero).repeat_interleave(2, dim=1)
+    if not nonzero:
+        assert (got.scale.view(torch.uint8).cpu()[zero_halves] == 0x01).all()

@@ -163,10 +163,12 @@ def test_a_log_reported(cast_run):
 
 def test_layer_loader(source, cast_run):
     out, _ = cast_run
-    t = load_moe_layer_nvfp4(out, 2, experts=[2, 0])
+    layer = load_moe_layer_nvfp4(out, 2, experts=[2, 0])
+    assert layer.hidden_act == "situ" and layer.situ_beta == 4.0 and layer.situ_linear_beta == 25.0 and layer.top_k == 4
+    assert layer.experts == (2, 0) and layer.layer == 2
+    t = layer.weights
     assert t.w13.shape == (2, 128, 32) and t.w13_scale.shape == (2, 128, 4) and t.w13_scale_2.shape == (2, 2)
     assert t.w2.shape == (2, 64, 32) and t.w2_scale.shape == (2, 64, 4) and t.w2_scale_2.shape == (2,)
-    assert t.hidden_act == "situ" and t.situ_beta == 4.0 and t.situ_linear_beta == 25.0 and t.top_k == 4
     base = "language_model.model.layers.2.block_sparse_moe.experts.2"
     dst = _load_all(out)
     assert torch.equal(t.w13[0, :64], dst[f"{base}.w1.weight"])
@@ -296,3 +298,60 @@ def test_pool_workers_write_the_same_bytes(source, cast_run, tmp_path):
     assert {k: v for k, v in _tree_hash(out).items() if k not in skip} == {
         k: v for k, v in _tree_hash(ref).items() if k not in skip
     }
+
+
+@pytest.mark.parametrize("m", [-135, -20, 0, 5])
+def test_verify_pair_table_accepts_exactly_the_scale_pairs(m):
+    """--verify's uint16 pair check: a block's two E4M3 bytes, read as one uint16, equal the
+    table entry iff both bytes are the E4M3 of 2^(k - m); out-of-window bytes match nothing."""
+    from k3nvfp4.checkpoint.verify import e4m3_pair_table
+
+    table = e4m3_pair_table(2.0**m)
+    want = torch.exp2(torch.arange(256, dtype=torch.float64) - 127 - m)
+    in_range = ((want >= 2.0**-9) & (want <= 2.0**8) & (torch.arange(256) != 255)).numpy()
+    e4m3 = want.to(torch.float8_e4m3fn).view(torch.uint8).numpy().astype(np.uint32)  # exact in range (oracle: torch)
+    assert np.array_equal(table[in_range], e4m3[in_range] * 0x0101)
+    assert (table[~in_range] > 0xFFFF).all()
+    # every possible pair against every E8M0 byte: exactly one accepted pair per in-window byte
+    pairs = np.arange(1 << 16, dtype=np.uint16)
+    hits = table[:, None] == pairs[None, :]
+    assert np.array_equal(hits.sum(1), in_range.astype(int))
+    assert e4m3_pair_table(3.0) is None
+
+
+@pytest.mark.parametrize("use_memcmp", [True, False])
+def test_verify_byte_compare_sees_a_difference_anywhere(use_memcmp):
+    from k3nvfp4.checkpoint import verify
+
+    if use_memcmp:
+        assert verify._MEMCMP is not None  # Linux: libc is always there
+    n = 2 * verify._CMP_CHUNK + 12345
+    a = np.random.default_rng(0).integers(0, 256, n).astype(np.uint8)
+    assert verify._equal_bytes(a, a.copy(), use_memcmp=use_memcmp)
+    for pos in (0, verify._CMP_CHUNK - 1, verify._CMP_CHUNK, n - 1):
+        b = a.copy()
+        b[pos] ^= 0x80
+        assert not verify._equal_bytes(a, b, use_memcmp=use_memcmp), pos
+        assert not verify._equal_bytes(a[pos:], b[pos:], use_memcmp=use_memcmp), pos  # unaligned starts
+    assert not verify._equal_bytes(a, a[:-1], use_memcmp=use_memcmp)
+    assert verify._equal_bytes(a[:0], a[:0], use_memcmp=use_memcmp)
+
+
+@pytest.mark.parametrize("scale_2", [2.0**-5, 2.0**-135, 2.0**100])
+def test_verify_sample_decoders_match_the_format_codecs(scale_2):
+    """--verify's table-driven full dequantization of the sample gives the same float32 bits
+    as formats.dequantize_mxfp4 / dequantize_nvfp4 (every byte, every E8M0, every E4M3)."""
+    from k3nvfp4.checkpoint.verify import dequantize_rows_mxfp4, dequantize_rows_nvfp4
+    from k3nvfp4.kernels import formats
+
+    rng = np.random.default_rng(0)
+    packed = np.tile(np.arange(256, dtype=np.uint8), (16, 8))[:, rng.permutation(2048)]  # [16, 2048]
+    e8m0 = np.arange(16 * 128, dtype=np.int64).reshape(16, 128) % 255  # no NaN byte
+    e8m0 = e8m0.astype(np.uint8)
+    e4m3 = (np.arange(16 * 256, dtype=np.int64).reshape(16, 256) % 256).astype(np.uint8)
+    e4m3[(e4m3 & 0x7F) == 0x7F] = 0x38  # NaN codes -> 1.0
+    ref_mx = formats.dequantize_mxfp4(torch.from_numpy(packed), torch.from_numpy(e8m0)).numpy()
+    ref_nv = formats.dequantize_nvfp4(torch.from_numpy(packed), torch.from_numpy(e4m3).view(torch.float8_e4m3fn),
+                                      torch.tensor(scale_2, dtype=torch.float32)).numpy()
+    assert np.array_equal(dequantize_rows_mxfp4(packed, e8m0).view(np.int32), ref_mx.view(np.int32))
+    assert np.array_equal(dequantize_rows_nvfp4(packed, e4m3, scale_2).view(np.int32), ref_nv.view(np.int32))
