@@ -28,7 +28,7 @@ install-core: $(VENV)/.core-installed
 install-all: $(VENV)/.all-installed
 
 demo: install-core
-	TRITON_INTERPRET=1 $(PY) -m k3nvfp4.checkpoint.demo --workdir $(DEMO_DIR)
+	$(PY) -m k3nvfp4.checkpoint.demo --workdir $(DEMO_DIR)
 
 test: install-all
 	$(VENV)/bin/pytest -q tests

@@ -4,7 +4,7 @@
 2. cast it to NVFP4 with ``k3nvfp4-cast --verify`` and print the summary;
 3. run one MoE layer of the cast checkpoint through the fused Triton kernels (triton_situ)
    and the plain-torch reference (and SGLang's marlin where it can run) with
-   ``k3nvfp4-ab layer``, and print the error table.
+   ``k3nvfp4-ab layer``, in bf16 and in fp32 (the exactness check), and print the error tables.
 
 Runs on CPU in about a minute (the Triton kernels in the interpreter).
 
@@ -15,21 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
-# Triton decides at kernel-definition time whether to interpret: set it before k3nvfp4.kernels
-# is imported (below, through the cast CLI).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from ..sglang_ext.ab.cli import main as ab_main  # noqa: E402
-from .cli import main as cast_main  # noqa: E402
-from .synthetic import write_synthetic_checkpoint  # noqa: E402
+from ..kernels.interpreter import rerun_with_interpreter
+from ..sglang_ext.ab.cli import main as ab_main
+from .cli import main as cast_main
+from .synthetic import write_synthetic_checkpoint
 
 # Small, but every feature of the K3 layout: dense layer 0, KDA + MLA attention, 3 MoE
 # layers whose experts straddle shards, zero-exponent (all +-0) blocks, padded A_log.
@@ -72,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="tokens routed through the layer A/B")
     args = ap.parse_args(argv)
+    if argv is None:  # without CUDA the layer A/B runs the kernels in the interpreter
+        rerun_with_interpreter("k3nvfp4.checkpoint.demo")
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = build_source(args.workdir)
     nvfp4 = cast(src, args.workdir, args.workers)
@@ -80,12 +75,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def layer_ab(nvfp4: Path, workdir: Path, tokens: int) -> None:
-    """One MoE layer of the cast checkpoint: fused Triton kernels vs the plain-torch reference."""
-    argv = ["layer", "--ckpt", str(nvfp4), "--layer", "1", "--tokens", str(tokens), "--out", str(workdir / "ab-layer1")]
-    print("[demo] k3nvfp4-ab " + " ".join(argv))
-    rc = ab_main(argv)
-    if rc != 0:
-        raise SystemExit(f"[demo] k3nvfp4-ab layer failed with exit code {rc}")
+    """One MoE layer of the cast checkpoint: fused Triton kernels vs the plain-torch reference
+    (and marlin where it runs), in bf16 as served, then in fp32 as an exactness check."""
+    common = ["layer", "--ckpt", str(nvfp4), "--layer", "1", "--tokens", str(tokens)]
+    runs = (
+        ["--out", str(workdir / "ab-layer1-bf16")],
+        ["--dtype", "float32", "--arms", "reference,triton_situ", "--out", str(workdir / "ab-layer1-fp32")],
+    )
+    for extra in runs:
+        argv = common + extra
+        print("\n[demo] k3nvfp4-ab " + " ".join(argv))
+        rc = ab_main(argv)
+        if rc != 0:
+            raise SystemExit(f"[demo] k3nvfp4-ab layer failed with exit code {rc}")
 
 
 if __name__ == "__main__":

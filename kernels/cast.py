@@ -26,7 +26,6 @@ Statistics are exact and counted in 32-element source blocks.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from . import formats
+from .interpreter import interpret_requested
 from .cast_details.requant import requantize_blocks_e4m3
 from .cast_details.scales_torch import (
     ScaleCast,
@@ -211,7 +211,7 @@ def _scale_backend(backend: str, device: torch.device):
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":
         return e8m0_to_e4m3_torch
-    if device.type != "cuda" and not _triton_interpreting():
+    if device.type != "cuda" and not interpret_requested():
         raise ValueError(
             f"backend='triton' needs CUDA tensors (got {device}) or TRITON_INTERPRET=1 for CPU tensors"
         )
@@ -219,15 +219,6 @@ def _scale_backend(backend: str, device: torch.device):
 
     return e8m0_to_e4m3_triton
 
-
-def _triton_interpreting() -> bool:
-    """Whether Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1/true/on)."""
-    try:
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
-    except (ImportError, AttributeError):  # older Triton without knobs
-        return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _finish(

@@ -23,11 +23,11 @@ Kernel design (moe_details/kernels.py):
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton.language as tl
 
+from .interpreter import kernels_interpreted
 from .moe_details import kernels as _k
 from .moe_details.config import MoEConfig, get_moe_config
 from .moe_details.routing import align_routing_triton
@@ -39,12 +39,6 @@ __all__ = ["MoEConfig", "NVFP4MoEWeights", "fused_moe_nvfp4", "fused_moe_nvfp4_r
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-
-def _interpreting() -> bool:
-    """True when the kernels run in Triton's interpreter: TRITON_INTERPRET is set now AND was set
-    when the kernels were defined (Triton decides at definition time)."""
-    env = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return env and type(_k.gemm1_gated_kernel).__name__ == "InterpretedFunction"
 
 
 def fused_moe_nvfp4(
@@ -74,7 +68,7 @@ def fused_moe_nvfp4(
     """
     validate_moe_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out)
     device = hidden_states.device
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not kernels_interpreted():
         raise RuntimeError(
             f"fused_moe_nvfp4: tensors are on {device}; the Triton kernels need a CUDA device, or "
             "TRITON_INTERPRET=1 (set before triton is imported) to run on CPU. "
@@ -93,7 +87,7 @@ def fused_moe_nvfp4(
     if deterministic and (config.split_k2 > 1 or config.atomic_reduce):
         config = dataclasses.replace(config, split_k2=1, atomic_reduce=False)
 
-    interp = _interpreting()
+    interp = kernels_interpreted()
     # The interpreter's tl.dot on 16-bit operands is wrong (FACTS.md): fp32 dots there. fp32
     # inputs get IEEE fp32 dots (no TF32) so that the exact tests mean something on a GPU.
     dot_f32 = interp or dtype == torch.float32

@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from .interpreter import kernels_interpreted, rerun_with_interpreter
 from .moe_details.config import (
     CONFIG_DIR_ENV,
     MoEConfig,
@@ -504,15 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.interpret:
         args.device = "cpu"
     cpu = args.device == "cpu"
-    if cpu and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if cpu and not kernels_interpreted():
         if argv is not None:  # called as a function: never replace the caller's process
             raise RuntimeError("k3nvfp4-tune --device cpu needs TRITON_INTERPRET=1 set before triton is imported")
-        # Triton picks the interpreter when kernels are defined (at import): start again with it on.
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-P", "-m", "k3nvfp4.kernels.tune", *sys.argv[1:]]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, cmd, env)
+        rerun_with_interpreter("k3nvfp4.kernels.tune", even_with_cuda=True)
     if not cpu and not torch.cuda.is_available():
         print("k3nvfp4-tune: no CUDA device; use --device cpu for the interpreter's functional run", file=sys.stderr)
         return 2

@@ -186,3 +186,16 @@ def test_layer_ab_on_gpu_all_arms(tmp_path):
     if marlin.ok:  # marlin also rounds the GEMM1 output to bf16 before SiTU: a little more error
         assert rep.pair("marlin", "reference").rel_err < 2e-2
         assert rep.pair("triton_situ", "marlin") is not None
+
+
+def test_layer_ab_float32_is_an_exactness_check(tmp_path):
+    """With fp32 activations the kernel (fp32 dots) and the reference agree far below bf16 noise,
+    so an indexing or scale bug cannot hide; marlin (16-bit only) is reported, not substituted."""
+    cfg = LayerABConfig(out_dir=None, synthetic=True, num_experts=4, hidden_size=64, intermediate_size=32,
+                        top_k=2, tokens=8, seed=1, dtype="float32", arms=("reference", "triton_situ", "marlin"))
+    rep = run_layer_ab(cfg)
+    assert rep.arm("marlin").status == "not available: marlin runs bf16/fp16 activations, not torch.float32"
+    (p,) = rep.pairs
+    assert (p.a, p.b) == ("triton_situ", "reference")
+    assert p.rel_err < 1e-5 and p.cosine > 0.999999
+    assert not any("truncates" in n for n in rep.arm("triton_situ").notes)

@@ -14,7 +14,6 @@ reason. An unavailable arm is reported as such and never replaced by another one
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -30,10 +29,6 @@ class ArmUnavailable(RuntimeError):
     """This arm cannot run here; the message is the reason shown in the report."""
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def build_reference(ex: NVFP4MoELayer, device: torch.device) -> tuple[RunFn, list[str]]:
     from k3nvfp4.kernels import fused_moe_nvfp4_reference
 
@@ -41,8 +36,10 @@ def build_reference(ex: NVFP4MoELayer, device: torch.device) -> tuple[RunFn, lis
     return (lambda x, tw, ids: fused_moe_nvfp4_reference(x, w, tw, ids, **kw)), []
 
 
-def build_triton_situ(ex: NVFP4MoELayer, device: torch.device) -> tuple[RunFn, list[str]]:
-    if device.type != "cuda" and not _interpreting():
+def build_triton_situ(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+    from k3nvfp4.kernels.interpreter import kernels_interpreted
+
+    if device.type != "cuda" and not kernels_interpreted():
         raise ArmUnavailable(f"Triton kernels need a CUDA device; tensors are on {device} and TRITON_INTERPRET "
                              "is not set (set TRITON_INTERPRET=1 before triton is imported to run on CPU)")
     from k3nvfp4.kernels import fused_moe_nvfp4
@@ -50,10 +47,11 @@ def build_triton_situ(ex: NVFP4MoELayer, device: torch.device) -> tuple[RunFn, l
     w, kw = ex.weights.to(device), ex.activation_kwargs()
     notes = []
     if device.type != "cuda":
-        notes.append("Triton interpreter on CPU (fp32 dots); timings are not meaningful. The interpreter truncates "
-                     "fp32 -> bf16/fp16 casts where the reference rounds to nearest, so the 16-bit intermediate "
-                     "differs by up to 1 ulp: expect rel err ~5e-3 vs the reference here, not a kernel defect "
-                     "(with fp32 activations the two agree to ~5e-7)")
+        notes.append("Triton interpreter on CPU (fp32 dots); timings are not meaningful.")
+        if dtype != torch.float32:
+            notes.append("The interpreter truncates fp32 -> bf16/fp16 casts where the reference rounds to nearest, "
+                         "so the 16-bit intermediate differs by up to 1 ulp: expect rel err ~5e-3 vs the reference "
+                         "here, not a kernel defect (with --dtype float32 the two agree to ~5e-7)")
     return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, **kw)), notes
 
 
@@ -75,6 +73,8 @@ def marlin_unavailable_reason(device: torch.device) -> str | None:
 
 
 def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ArmUnavailable(f"marlin runs bf16/fp16 activations, not {dtype}")
     reason = marlin_unavailable_reason(device)
     if reason:
         raise ArmUnavailable(reason)
@@ -127,7 +127,7 @@ def build_arm(name: str, ex: NVFP4MoELayer, device: torch.device, dtype: torch.d
     if name == "reference":
         return build_reference(ex, device)
     if name == "triton_situ":
-        return build_triton_situ(ex, device)
+        return build_triton_situ(ex, device, dtype)
     if name == "marlin":
         return build_marlin(ex, device, dtype)
     raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES)}")

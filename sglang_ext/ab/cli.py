@@ -38,7 +38,9 @@ def _add_layer(sub) -> None:
     p.add_argument("--tokens", type=int, default=64, help="number of tokens M")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--activations", type=Path, help=".pt/.safetensors with hidden_states, topk_ids, topk_weights")
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="activation dtype; float32 is an exactness check of triton_situ vs the reference "
+                        "(fp32 dots; marlin runs 16-bit activations only)")
     p.add_argument("--arms", default="reference,triton_situ,marlin", help="comma list of arms to try")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per arm (default 5 on GPU, 1 on CPU)")
@@ -96,14 +98,12 @@ def _serve(args) -> int:
     return 0
 
 
-def _layer(args) -> int:
-    import os
+def _layer(args, as_script: bool) -> int:
+    if as_script and args.device in (None, "cpu"):
+        # Without CUDA the kernels must run in the interpreter, chosen when they are defined.
+        from k3nvfp4.kernels.interpreter import rerun_with_interpreter
 
-    import torch
-
-    # Triton decides interpreter vs compiled when a kernel is defined: set it before importing them.
-    if not torch.cuda.is_available() and (args.device in (None, "cpu")):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        rerun_with_interpreter("k3nvfp4.sglang_ext.ab.cli")
     from .layer import LayerABConfig, run_layer_ab
 
     cfg = LayerABConfig(
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     args = parser.parse_args(argv)
     try:
-        return _serve(args) if args.cmd == "serve" else _layer(args)
+        return _serve(args) if args.cmd == "serve" else _layer(args, as_script=argv is None)
     except ABError as e:
         print(f"k3nvfp4-ab {args.cmd}: error: {e}", file=sys.stderr)
         return 2

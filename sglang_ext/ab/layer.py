@@ -163,7 +163,7 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
             raise InputError(f"--arms: unknown arm {a!r}; choose from {', '.join(ARM_NAMES)}")
     arms = ("reference",) + tuple(a for a in cfg.arms if a != "reference")  # the reference always runs
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
     if cfg.activations is not None and not Path(cfg.activations).is_file():  # fail before loading weights
         raise InputError(f"--activations: file not found: {cfg.activations}")
     ex = _load(cfg)
