@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from k3nvfp4.checkpoint.convert import CastOptions, run_cast
+    from k3nvfp4.checkpoint.layout import INDEX_FILE
     from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
 
     per_expert = 3 * (3072 * 3584 // 2 + 3072 * 3584 // 32)
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     args.scratch.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    if not (src / "model.safetensors.index.json").is_file():
+    if not (src / INDEX_FILE).is_file():
         shutil.rmtree(src, ignore_errors=True)
         write_synthetic_checkpoint(src, num_layers=1 + moe_layers, num_experts=experts, num_shards=args.shards,
                                    model_hidden_size=7168, zero_exponent_fraction=args.zero_exponent_fraction, progress=True, **K3_EXPERT)

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import datetime as _dt
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -100,7 +99,6 @@ class Timer:
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
 
     def __call__(self, fn, warmup: int = 3) -> tuple[float, int]:
-        torch = self.torch
         for _ in range(warmup):
             fn()
         if not self.cuda:
@@ -181,11 +179,11 @@ def dequantized_bf16(torch, weights, chunk: int = 32):
     return w13, w2
 
 
-def _situ_bf16(torch, h, I, beta=4.0, linear_beta=25.0):
-    g, u = h[:, :I].float(), h[:, I:].float()
-    g = beta * torch.tanh(g / beta) * torch.sigmoid(g)
-    u = linear_beta * torch.tanh(u / linear_beta)
-    return (g * u).to(torch.bfloat16)
+def _situ_bf16(torch, h):
+    """SiTU (K3 defaults) of the bf16 GEMM1 output [n, 2I] (gate then up), in fp32 -> bf16."""
+    from k3nvfp4.kernels.situ import situ_and_mul
+
+    return situ_and_mul(h).to(torch.bfloat16)
 
 
 def bf16_moe_grouped_mm(torch, x, w13, w2, topk_weights, topk_ids, n_valid: int | None = None):
@@ -194,7 +192,7 @@ def bf16_moe_grouped_mm(torch, x, w13, w2, topk_weights, topk_ids, n_valid: int 
     routing set-up) drops them before the GEMMs, so the baseline neither syncs nor gathers rows
     it does not need (this favours the baseline a little). No host sync inside."""
     M, k = topk_ids.shape
-    E, two_i, H = w13.shape
+    E, _, H = w13.shape
     flat = topk_ids.reshape(-1).long()
     key = torch.where(flat < 0, torch.full_like(flat, E), flat)
     order = torch.argsort(key, stable=True)
@@ -207,7 +205,7 @@ def bf16_moe_grouped_mm(torch, x, w13, w2, topk_weights, topk_ids, n_valid: int 
     offs = torch.cumsum(counts[:E], 0, dtype=torch.int32)
     xs = x.index_select(0, token)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
-    a = _situ_bf16(torch, h, two_i // 2)
+    a = _situ_bf16(torch, h)
     y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
     w = topk_weights.reshape(-1)[order]
     valid = (key[order] < E)[:, None]  # all True when n_valid is given
@@ -240,12 +238,11 @@ def graph_or_eager(torch, fn, cpu: bool):
 def bf16_moe_loop(torch, x, w13, w2, topk_weights, topk_ids):
     """Per-expert loop (host sync per expert): the fallback where _grouped_mm is unavailable."""
     M, k = topk_ids.shape
-    I = w13.shape[1] // 2
     out = torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in torch.unique(ids[ids >= 0]).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        a = _situ_bf16(torch, x[tok] @ w13[e].t(), I)
+        a = _situ_bf16(torch, x[tok] @ w13[e].t())
         out.index_add_(0, tok, (a @ w2[e].t()).float() * topk_weights[tok, slot][:, None])
     return out.to(x.dtype)
 

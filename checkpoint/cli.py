@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .convert import CastOptions, format_summary, run_cast
+from .layout import REPORT_FILE
 from .safetensors_io import CheckpointError
 
 
@@ -50,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("k3nvfp4-cast: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     print(format_summary(report))
-    print(f"report: {args.output_ckpt / 'cast_report.json'}")
+    print(f"report: {args.output_ckpt / REPORT_FILE}")
     return 0
 
 

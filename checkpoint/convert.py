@@ -33,7 +33,7 @@ from . import _progress
 from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE
 from .plan import CastPlan, ExpertMatrix, ShardPlan, SourceRef, plan_cast
 from .quant_config import hf_quant_config, output_config
-from .safetensors_io import CheckpointError, StreamingWriter, read_tensor, write_atomic_text
+from .safetensors_io import CheckpointError, MappedShards, StreamingWriter, read_tensor, write_atomic_text
 from .verify import verify_full, verify_nonlocal, verify_shard
 
 TOOL_VERSION = "0.1.0"
@@ -76,7 +76,7 @@ class _Files:
     def __init__(self, root: Path):
         self.root = root
         self._open: dict[str, object] = {}
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps = MappedShards(root)
 
     def get(self, shard: str):
         f = self._open.get(shard)
@@ -85,20 +85,11 @@ class _Files:
         return f
 
     def mapped(self, shard: str) -> mmap.mmap:
-        """The shard mapped MAP_PRIVATE (ACCESS_COPY): readable in place, and nothing written
-        to the mapping can reach the file."""
-        mm = self._maps.get(shard)
-        if mm is None:
-            mm = self._maps[shard] = mmap.mmap(self.get(shard).fileno(), 0, access=mmap.ACCESS_COPY)
-        return mm
+        """The shard mapped MAP_PRIVATE (see MappedShards)."""
+        return self._maps.get(shard)
 
     def close(self) -> None:
-        for mm in self._maps.values():
-            try:
-                mm.close()
-            except BufferError:  # a tensor still views it; the mapping goes with it
-                pass
-        self._maps.clear()
+        self._maps.close()
         for f in self._open.values():
             f.close()
         self._open.clear()
@@ -405,7 +396,7 @@ def _prepare_output(options: CastOptions, plan: CastPlan) -> Path:
                 + (" (a finished cast)" if complete else "")
                 + "; pass --overwrite to replace it"
             )
-        if not ((out / REPORT_FILE).exists() or state.exists() or (out / INDEX_FILE).exists()):
+        if not (complete or state.exists() or (out / INDEX_FILE).exists()):
             raise CheckpointError(
                 f"--output_ckpt {options.output}: not empty and not a checkpoint this tool wrote; "
                 "refusing to delete it even with --overwrite"

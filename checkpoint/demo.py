@@ -22,6 +22,7 @@ from typing import Sequence
 from ..kernels.interpreter import rerun_with_interpreter
 from ..sglang_ext.ab.cli import main as ab_main
 from .cli import main as cast_main
+from .layout import INDEX_FILE, REPORT_FILE
 from .synthetic import write_synthetic_checkpoint
 
 # Small, but every feature of the K3 layout: dense layer 0, KDA + MLA attention, 3 MoE
@@ -33,7 +34,7 @@ DEMO_SHAPE = dict(num_layers=4, num_experts=16, hidden_size=256, intermediate_si
 def build_source(workdir: Path) -> Path:
     """The synthetic MXFP4 checkpoint (reused when a previous demo left it complete)."""
     src = workdir / "k3-mxfp4"
-    if (src / "model.safetensors.index.json").is_file():
+    if (src / INDEX_FILE).is_file():
         print(f"[demo] reusing synthetic MXFP4 checkpoint {src}")
         return src
     t0 = time.perf_counter()
@@ -53,7 +54,7 @@ def cast(src: Path, workdir: Path, workers: int = 2) -> Path:
     rc = cast_main(argv)
     if rc != 0:
         raise SystemExit(f"[demo] k3nvfp4-cast failed with exit code {rc}")
-    report = json.loads((out / "cast_report.json").read_text())
+    report = json.loads((out / REPORT_FILE).read_text())
     if report["stats"]["exact_blocks"] != report["stats"]["blocks"] or report["verify"]["mismatches"]:
         raise SystemExit("[demo] the cast is not bit-exact")
     return out

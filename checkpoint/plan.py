@@ -184,9 +184,6 @@ def plan_cast(source: Path, *, w4a4: bool = False, trim_a_log: bool = False, too
     a_log_names = {r.entry.name for r in a_log}
 
     # Output items per shard, in source byte order (sequential reads).
-    by_matrix_out: dict[str, dict[str, SourceRef]] = {}
-    for base, p in parts.items():
-        by_matrix_out[base] = {"weight_packed": p["weight_packed"], "weight_scale": p["weight_scale"]}
     shards: list[ShardPlan] = []
     anchor_of: dict[tuple[int, int, str], str] = {g: ms[0].packed.shard for g, ms in groups.items()}
     for shard, h in headers.items():

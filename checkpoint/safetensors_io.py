@@ -10,6 +10,7 @@ or corrupt shard fails with its name before anything is written.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -127,6 +128,30 @@ def read_tensor(f: BinaryIO, entry: TensorEntry) -> torch.Tensor:
     if entry.nbytes == 0:
         return torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
     return torch.frombuffer(buf, dtype=DTYPES[entry.dtype]).reshape(entry.shape)
+
+
+class MappedShards:
+    """Shards of one folder, mapped on first use, MAP_PRIVATE (ACCESS_COPY): tensors and byte
+    ranges are read in place, and nothing written to a mapping can reach the file."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def get(self, shard: str) -> mmap.mmap:
+        mm = self._maps.get(shard)
+        if mm is None:
+            with open(self.root / shard, "rb") as f:
+                mm = self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return mm
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a tensor still views it; the mapping goes with it
+                pass
+        self._maps.clear()
 
 
 @dataclass(frozen=True)

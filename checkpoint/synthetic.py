@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from .layout import (
     COMPRESSED_TENSORS_MXFP4_FORMAT,
+    CONFIG_FILE,
     INDEX_FILE,
     expert_prefix,
     layer_prefix,
@@ -249,7 +250,7 @@ def _split_shards(specs: list[_TensorSpec], num_shards: int) -> list[list[_Tenso
         if len(cuts) < num_shards - 1 and acc * num_shards >= total * (len(cuts) + 1) and i > 0:
             cuts.append(i)
         acc += s.nbytes
-    runs, start = [], None  # [start, end) of consecutive expert tensors of one layer
+    runs, start, run_layer = [], None, None  # [start, end) of consecutive expert tensors of one layer
     for i, s in enumerate(specs + [None]):
         layer = s.name.split(".experts.")[0] if s is not None and ".experts." in s.name else None
         if start is not None and layer != run_layer:
@@ -439,7 +440,7 @@ def write_synthetic_checkpoint(
     index = {"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     cfg = _config(dims)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
     for name, text in _SIDE_FILES.items():
         (out / name).write_text(text)
     return out

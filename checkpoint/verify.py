@@ -31,7 +31,7 @@ import torch
 
 from ..kernels import formats
 from . import _progress
-from .safetensors_io import DTYPES, ITEMSIZE, CheckpointError, SafetensorsHeader, read_header
+from .safetensors_io import DTYPES, ITEMSIZE, CheckpointError, MappedShards, SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
     from .convert import ShardTask
@@ -44,7 +44,7 @@ class _Ctx:
     def __init__(self, task: "ShardTask"):
         self.task = task
         self.headers: dict[str, SafetensorsHeader] = {}
-        self.maps: dict[tuple[str, str], mmap.mmap] = {}
+        self.maps = {"src": MappedShards(task.source), "out": MappedShards(task.output)}
         self.res = {
             "shard": task.shard.name, "matrices": 0, "blocks": 0, "proved_blocks": 0, "exact_blocks": 0,
             "max_abs_err": 0.0, "sample_matrices": 0, "sample_elements": 0, "carried_tensors": 0,
@@ -62,14 +62,8 @@ class _Ctx:
         return self.headers[shard]
 
     def mapped(self, root: str, shard: str) -> mmap.mmap:
-        """The shard mapped into memory: tensors and byte ranges are compared in place,
-        without copying them into buffers. MAP_PRIVATE (ACCESS_COPY): nothing can reach the file."""
-        key = (root, shard)
-        if key not in self.maps:
-            base = self.task.source if root == "src" else self.task.output
-            with open(base / shard, "rb") as f:
-                self.maps[key] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return self.maps[key]
+        """Shard of root "src" or "out", mapped: compared in place, without copying into buffers."""
+        return self.maps[root].get(shard)
 
     def tensor(self, root: str, ref_shard: str, entry) -> torch.Tensor:
         mm = self.mapped(root, ref_shard)
@@ -87,12 +81,8 @@ class _Ctx:
         return self.tensor("out", shard, h.entries[name])
 
     def close(self) -> None:
-        for mm in self.maps.values():
-            try:
-                mm.close()
-            except BufferError:  # a tensor still views it; the mapping goes with it
-                pass
-        self.maps.clear()
+        for maps in self.maps.values():
+            maps.close()
 
 
 # Byte ranges are compared with libc's memcmp on the mapped memory (one pass, no

@@ -40,7 +40,6 @@ __all__ = ["MoEConfig", "NVFP4MoEWeights", "fused_moe_nvfp4", "fused_moe_nvfp4_r
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-
 def fused_moe_nvfp4(
     hidden_states: torch.Tensor,
     weights: NVFP4MoEWeights,
@@ -68,7 +67,8 @@ def fused_moe_nvfp4(
     """
     validate_moe_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out)
     device = hidden_states.device
-    if device.type != "cuda" and not kernels_interpreted():
+    interp = kernels_interpreted()
+    if device.type != "cuda" and not interp:
         raise RuntimeError(
             f"fused_moe_nvfp4: tensors are on {device}; the Triton kernels need a CUDA device, or "
             "TRITON_INTERPRET=1 (set before triton is imported) to run on CPU. "
@@ -79,15 +79,13 @@ def fused_moe_nvfp4(
     E, I = weights.num_experts, weights.intermediate_size
     dtype = hidden_states.dtype
     if M == 0:
-        result = out if out is not None else torch.empty(0, H, dtype=dtype, device=device)
-        return result
+        return out if out is not None else torch.empty(0, H, dtype=dtype, device=device)
 
     if config is None:
         config = get_moe_config(E, H, I, k, M)
     if deterministic and (config.split_k2 > 1 or config.atomic_reduce):
         config = dataclasses.replace(config, split_k2=1, atomic_reduce=False)
 
-    interp = kernels_interpreted()
     # The interpreter's tl.dot on 16-bit operands is wrong (FACTS.md): fp32 dots there. fp32
     # inputs get IEEE fp32 dots (no TF32) so that the exact tests mean something on a GPU.
     dot_f32 = interp or dtype == torch.float32

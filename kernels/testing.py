@@ -89,15 +89,16 @@ def random_nvfp4_moe_weights(
     return w.to(device)
 
 
-def _quantize_pow2_nvfp4(w: torch.Tensor, exp_max_shared: int | None = None):
+def _quantize_pow2_nvfp4(w: torch.Tensor):
     """float32 [R, C] -> (packed uint8 [R, C/2], e4m3 [R, C/16], scale_2 float32 0-dim), with the
-    scale structure of the K3 cast: block scale 2^(k - m), scale_2 = 2^m, m = k_max - 8, where
-    2^k is the smallest power of two >= block amax / 6 (so no element saturates)."""
+    scale structure of the K3 cast: block scale 2^(k - m), scale_2 = 2^m, m = k_max - 8 (k_max
+    over all rows: the rows share the one scale_2), where 2^k is the smallest power of two >=
+    block amax / 6 (so no element saturates)."""
     R, C = w.shape
     blocks = w.view(R, C // 16, 16)
     amax = blocks.abs().amax(-1).clamp(min=2.0**-60)
     k = torch.ceil(torch.log2(amax / 6.0)).to(torch.int32)
-    kmax = int(k.max()) if exp_max_shared is None else int(exp_max_shared)
+    kmax = int(k.max())
     m = kmax - 8
     kk = (k - m).clamp(min=-9)  # blocks > 17 binades below the max lose precision, like out-of-range casts
     scale = formats.exp2_to_e4m3(kk, "synthetic weight_scale")
@@ -119,9 +120,8 @@ def k3_like_nvfp4_moe_weights(
     for _ in range(E):
         w13 = torch.randn(2 * I, H, generator=g) / H**0.5 * torch.exp(0.3 * torch.randn(2 * I, 1, generator=g))
         w2 = torch.randn(H, I, generator=g) / I**0.5 * torch.exp(0.3 * torch.randn(H, 1, generator=g))
-        # one exponent maximum over gate and up rows: the two halves share one scale_2
-        kmax13 = int(torch.ceil(torch.log2(w13.view(2 * I, H // 16, 16).abs().amax(-1) / 6.0)).max())
-        p, s, s2 = _quantize_pow2_nvfp4(w13, kmax13)
+        # gate and up rows quantized together: the two halves share one scale_2
+        p, s, s2 = _quantize_pow2_nvfp4(w13)
         w13q.append(p), w13s.append(s), w13s2.append(torch.stack([s2, s2]))
         p, s, s2 = _quantize_pow2_nvfp4(w2)
         w2q.append(p), w2s.append(s), w2s2.append(s2)

@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -379,14 +379,14 @@ def tune_batch_size(
             cand = Candidate(cfg)
             tried.append(cand)
             bar.update(1)
+            run = lambda: fused_moe_nvfp4(x, weights, topk_weights, topk_ids, out=out, config=cfg, **kw)  # noqa: E731
             try:
                 out.fill_(float("nan"))  # every element must be written
-                fused_moe_nvfp4(x, weights, topk_weights, topk_ids, out=out, config=cfg, **kw)
+                run()
                 cand.error = normwise_error(out, ref)
                 if not cand.error <= tol:
                     cand.note = f"wrong result: normwise error {cand.error:.3g} > tol {tol:g}"
                     continue
-                run = lambda: fused_moe_nvfp4(x, weights, topk_weights, topk_ids, out=out, config=cfg, **kw)  # noqa: E731
                 cand.time_s = timer(run)
             except Exception as e:  # compile errors, out of resources, unsupported combinations
                 msg = str(e).strip().splitlines()

@@ -157,16 +157,14 @@ def _storages(obj: Any) -> set[int]:
 
 
 def build_layer_weights(layer: Any) -> Any:
-    """NVFP4MoEWeights from the layer's loaded ModelOpt tensors (linear block scales)."""
+    """NVFP4MoEWeights from the layer's loaded ModelOpt tensors (linear block scales). A [E]
+    w13_weight_scale_2 (one scale_2 shared by w1 and w3) is expanded by from_modelopt."""
     from k3nvfp4.kernels import NVFP4MoEWeights
 
-    w13_scale_2 = layer.w13_weight_scale_2.data
-    if w13_scale_2.dim() == 1:  # checkpoints with one scale_2 shared by w1 and w3
-        w13_scale_2 = w13_scale_2[:, None].expand(-1, 2)
     return NVFP4MoEWeights.from_modelopt(
         layer.w13_weight.data,
         layer.w13_weight_scale.data,
-        w13_scale_2.contiguous(),
+        layer.w13_weight_scale_2.data,
         layer.w2_weight.data,
         layer.w2_weight_scale.data,
         layer.w2_weight_scale_2.data,

@@ -48,8 +48,7 @@ def _pair_table(e8m0_max: int) -> np.ndarray:
     ok = (d >= formats.E4M3_MIN_EXP2) & (d <= formats.E4M3_MAX_EXP2)
     bits = torch.zeros(256, dtype=torch.int32)
     bits[ok] = formats.exp2_to_e4m3(d[ok]).view(torch.uint8).to(torch.int32)
-    pair = (bits | (bits << 8)).numpy().astype(np.uint16)
-    return pair
+    return (bits | (bits << 8)).numpy().astype(np.uint16)
 
 
 def e8m0_to_e4m3_torch(scale_e8m0: torch.Tensor, e8m0_max: int) -> ScaleCast:

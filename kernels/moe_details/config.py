@@ -42,6 +42,7 @@ import json
 import math
 import os
 import pathlib
+import stat
 from dataclasses import dataclass
 
 CONFIG_DIR_ENV = "K3NVFP4_MOE_CONFIG_DIR"
@@ -148,9 +149,13 @@ def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -
     """Tuned configs {batch size: MoEConfig} of a shape and device, or None when no file exists."""
     path = pathlib.Path(directory) if directory is not None else config_dir()
     path = path / config_file_name(E, H, I, device_name)
-    if not path.is_file():
+    try:  # one stat per call (this runs on every fused_moe_nvfp4 call without a config)
+        st = path.stat()
+    except OSError:
         return None
-    return _load_configs_cached(str(path), path.stat().st_mtime_ns)
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return _load_configs_cached(str(path), st.st_mtime_ns)
 
 
 def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: int = _DEFAULT_NUM_SMS) -> MoEConfig:

@@ -111,13 +111,11 @@ class ChatClient:
                     continue
                 raise ServerError(f"{where}: HTTP {e.code}: {detail}") from None
             except (TimeoutError, socket.timeout):
-                last = EndpointTimeout(f"{where}: no answer within --timeout {self.timeout_s:g} s "
-                                       f"({attempt + 1} attempt(s))")
+                last = self._timeout(where, attempt)
                 continue
             except urllib.error.URLError as e:
                 if isinstance(e.reason, (TimeoutError, socket.timeout)):
-                    last = EndpointTimeout(f"{where}: no answer within --timeout {self.timeout_s:g} s "
-                                           f"({attempt + 1} attempt(s))")
+                    last = self._timeout(where, attempt)
                 else:
                     last = EndpointDown(f"{where}: cannot connect ({e.reason}) after {attempt + 1} "
                                         "attempt(s); is the server running?")
@@ -132,6 +130,9 @@ class ChatClient:
                 raise MalformedResponse(f"{where}: response is not JSON: {snippet!r}") from None
         assert last is not None
         raise last
+
+    def _timeout(self, where: str, attempt: int) -> EndpointTimeout:
+        return EndpointTimeout(f"{where}: no answer within --timeout {self.timeout_s:g} s ({attempt + 1} attempt(s))")
 
     def models(self) -> list[str]:
         """GET /v1/models -> served model ids (also a reachability check)."""

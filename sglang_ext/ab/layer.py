@@ -210,11 +210,11 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
         pass
     rep = LayerABReport(setup, results, pairs)
     if cfg.out_dir is not None:
-        _write(rep, Path(cfg.out_dir), outputs, w.num_experts, cfg.plots)
+        _write(rep, Path(cfg.out_dir), outputs, cfg.plots)
     return rep
 
 
-def _write(rep: LayerABReport, out: Path, outputs: dict[str, torch.Tensor], num_experts: int, with_plots: bool) -> None:
+def _write(rep: LayerABReport, out: Path, outputs: dict[str, torch.Tensor], with_plots: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     files = {"report": "report.json", "summary": "summary.md"}
     if with_plots and rep.pairs:

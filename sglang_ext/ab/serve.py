@@ -177,8 +177,9 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
     wall = time.perf_counter() - t0
 
     results: dict[tuple, RequestResult] = {}
+    by_id = {p.id: p for p in prompts}  # ids are unique (load_prompts)
     for (arm, seed, pid), comp in comps.items():
-        p = next(q for q in prompts if q.id == pid)
+        p = by_id[pid]
         ans = extract_answer(comp.content, p.kind, p.num_choices)
         results[(arm, seed, pid)] = RequestResult(
             arm, seed, pid, comp.finish_reason, ans, None if p.answer is None else ans == p.answer,
