@@ -13,7 +13,6 @@ Every other backend and quantization method runs SGLang's code unchanged.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -64,7 +63,11 @@ def check_device_supported() -> None:
                 f"--moe-runner-backend {BACKEND_NAME} needs an SM80+ GPU "
                 f"(Ampere, Hopper, Blackwell); this GPU is sm{capability[0]}{capability[1]}"
             )
-    elif os.environ.get("TRITON_INTERPRET") != "1":
+    else:
+        from ..kernels.interpreter import interpret_requested  # lazy: registration stays light
+
+        if interpret_requested():
+            return
         raise ValueError(
             f"--moe-runner-backend {BACKEND_NAME} needs a CUDA GPU "
             "(or TRITON_INTERPRET=1 to run the kernels on CPU for testing)"
