@@ -111,14 +111,14 @@ def fused_moe_nvfp4(
         target1 = inter
     _k.gemm1_gated_kernel[grid1](
         hidden_states, hidden_states.stride(0), hidden_states.stride(1),
-        weights.w13, weights.w13_scale, weights.w13_scale_2, H // 2, H // 16,
+        weights.w13, weights.w13_scale, weights.w13_scale_2, weights.w13_k_tiles,
         target1,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         num_pairs, k, H, I,
         beta, lb,
         ACT=act, HAS_LINEAR_BETA=has_lb,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1, SPLIT_K=config.split_k1,
-        SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision,
+        SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
         num_warps=config.num_warps1, num_stages=config.num_stages1,
     )
     if config.split_k1 > 1:
@@ -143,12 +143,12 @@ def fused_moe_nvfp4(
     grid2 = (max_blocks, _cdiv(H, config.block_n2), config.split_k2)
     _k.gemm2_combine_kernel[grid2](
         inter,
-        weights.w2, weights.w2_scale, weights.w2_scale_2, I // 2, I // 16,
+        weights.w2, weights.w2_scale, weights.w2_scale_2, weights.w2_k_tiles,
         tw, acc,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         num_pairs, k, H, I, 1.0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
-        SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision,
+        SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
         USE_ATOMIC=use_atomic, ROW_IS_TOKEN=row_is_token,
         num_warps=config.num_warps2, num_stages=config.num_stages2,
     )

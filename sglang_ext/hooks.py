@@ -212,8 +212,8 @@ def _log_active_once(layer: Any, weights: Any) -> None:
     logger.info(
         "k3nvfp4: MoE runner backend %s active: %d local of %d experts, hidden %d, "
         "intermediate/rank %d, moe tp %d/ep %d, activation %s (beta=%s, linear_beta=%s), "
-        "layout %s w13 %s + w2 %s uint8 e2m1, linear e4m3 block-16 scales, gate/up scale_2 "
-        "separate, on %s",
+        "layout %s w13 %s + w2 %s kernel-native FP4 tiles (bit-placed e2m1, bf16 block-16 "
+        "scales), gate/up scale_2 separate, on %s",
         BACKEND_NAME,
         layer.num_local_experts,
         layer.num_experts,

@@ -55,7 +55,7 @@ def test_compare_outputs_hand_computed():
 def test_synthetic_experts_have_k3_cast_structure():
     layer = synthetic_layer(3, 64, 32, top_k=2, seed=1)
     assert (layer.hidden_act, layer.situ_beta, layer.situ_linear_beta, layer.top_k) == ("situ", 4.0, 25.0, 2)
-    ex = layer.weights
+    ex = layer.weights.to_modelopt()
     assert ex.w13.shape == (3, 64, 32) and ex.w13_scale.shape == (3, 64, 4) and ex.w2.shape == (3, 64, 16)
     assert torch.equal(ex.w13_scale_2[:, 0], ex.w13_scale_2[:, 1])  # one scale_2 for gate and up
     for s in (ex.w13_scale, ex.w2_scale):  # E4M3 scales are exact powers of two (mantissa bits 0)

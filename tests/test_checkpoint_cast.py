@@ -166,7 +166,7 @@ def test_layer_loader(source, cast_run):
     layer = load_moe_layer_nvfp4(out, 2, experts=[2, 0])
     assert layer.hidden_act == "situ" and layer.situ_beta == 4.0 and layer.situ_linear_beta == 25.0 and layer.top_k == 4
     assert layer.experts == (2, 0) and layer.layer == 2
-    t = layer.weights
+    t = layer.weights.to_modelopt()
     assert t.w13.shape == (2, 128, 32) and t.w13_scale.shape == (2, 128, 4) and t.w13_scale_2.shape == (2, 2)
     assert t.w2.shape == (2, 64, 32) and t.w2_scale.shape == (2, 64, 4) and t.w2_scale_2.shape == (2,)
     base = "language_model.model.layers.2.block_sparse_moe.experts.2"

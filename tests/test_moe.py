@@ -365,32 +365,52 @@ def test_cpu_tensors_without_interpreter_raise(monkeypatch):
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from k3nvfp4.kernels.moe_details.fp4 import dequant_nvfp4_planes, e4m3_to_f32  # noqa: E402
+from k3nvfp4.kernels.moe_details import layout  # noqa: E402
+from k3nvfp4.kernels.moe_details.kernels import _load_weight_tile  # noqa: E402
 
 
 @triton.jit
-def _decode_all_bytes_kernel(packed_ptr, scale_ptr, even_ptr, odd_ptr, scale_out_ptr):
-    offs = tl.arange(0, 256)
-    s = e4m3_to_f32(tl.load(scale_ptr + offs).to(tl.int32))
-    tl.store(scale_out_ptr + offs, s)
-    even, odd = dequant_nvfp4_planes(tl.load(packed_ptr + offs), s)
-    tl.store(even_ptr + offs, even)
-    tl.store(odd_ptr + offs, odd)
+def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, rt_end, k_tiles, K,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    w = _load_weight_tile(w_ptr, s_ptr, pid_n * (BLOCK_N // 16), rt_end, k_tiles, pid_k * BLOCK_K,
+                          BLOCK_N, BLOCK_K, USE_ASM)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (cols < K)[None, :]
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(tl.float32), mask=mask)
 
 
-def test_triton_fp4_decode_every_byte():
-    """moe_details/fp4.py (the kernels' decode) against formats.py for all 256 packed bytes and
-    all finite E4M3 scale bytes (incl. subnormals and negative scales)."""
+def _every_byte_and_scale(rows: int, k: int):
+    """Nibble bytes cycling through all 256 values; E4M3 scales through every finite pattern:
+    zero, subnormals (2^-9 ..), 448, and the negative ones."""
+    n_bytes = rows * k // 2
+    packed = (torch.arange(n_bytes) % 256).to(torch.uint8).reshape(rows, k // 2)
+    finite = torch.tensor([b for b in range(256) if (b & 0x7F) != 0x7F], dtype=torch.uint8)
+    idx = torch.arange(rows * k // 16) * 7 % finite.numel()  # 7 is coprime to 254: all patterns
+    scale = finite[idx].reshape(rows, k // 16).view(torch.float8_e4m3fn)
+    return packed, scale
+
+
+@pytest.mark.parametrize("block_n,block_k,rows,k", [(64, 128, 128, 256), (32, 32, 48, 80), (16, 256, 16, 176)])
+def test_triton_fp4_decode_every_byte_and_scale(block_n, block_k, rows, k):
+    """The kernels' one FP4 decode (fp4.py via the tile loader) against formats.py: all 256 packed
+    bytes x all finite E4M3 scales, bit for bit incl. signed zeros, times 2^-ACC_SHIFT; K tails,
+    half K tiles (block_k 32) and masked row tiles (rows < grid) included. Inline PTX on a GPU,
+    the plain-Triton twin in the interpreter."""
     from k3nvfp4.kernels import formats
 
-    packed = torch.arange(256, dtype=torch.uint8, device=DEV)
-    scale_bytes = torch.arange(256, dtype=torch.uint8, device=DEV)
-    scale_bytes = torch.where((scale_bytes & 0x7F) == 0x7F, torch.zeros_like(scale_bytes), scale_bytes)  # no NaN
-    even, odd, s = (torch.empty(256, device=DEV) for _ in range(3))
-    _decode_all_bytes_kernel[(1,)](packed, scale_bytes, even, odd, s)
-    s_ref = formats.e4m3_to_float(scale_bytes.view(torch.float8_e4m3fn))
-    assert torch.equal(s, s_ref)
-    codes = formats.unpack_e2m1(packed.reshape(256, 1)).reshape(256, 2)
-    vals = formats.e2m1_to_float(codes)
-    assert torch.equal(even, vals[:, 0] * s_ref)
-    assert torch.equal(odd, vals[:, 1] * s_ref)
+    packed, scale = _every_byte_and_scale(rows, k)
+    w = layout.pack_e2m1_tiles(packed).to(DEV)
+    s = layout.pack_e4m3_scale_tiles(scale).to(DEV)
+    grid_rows = -(-rows // block_n) * block_n
+    out = torch.full((grid_rows, k), float("nan"), device=DEV)
+    _decode_tile_kernel[(grid_rows // block_n, -(-k // block_k))](
+        w, s, out, rows // 16, w.shape[1], k, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=DEV == "cuda")
+    ref = formats.dequantize_nvfp4(packed, scale, 1.0) / layout.ACC_SCALE
+    got = out[:rows].cpu()
+    assert torch.equal(got, ref)
+    assert torch.equal(torch.signbit(got), torch.signbit(ref))  # -0 weight x scale stays -0
+    assert torch.signbit(ref).sum() > (ref == 0).logical_and(torch.signbit(ref)).sum() > 0
+    assert torch.equal(out[rows:].cpu(), torch.zeros(grid_rows - rows, k))  # masked row tiles read 0

@@ -437,7 +437,7 @@ def test_layer_uses_plugin_runner(single_rank_run):
 
 def test_loaded_tensors_match_checkpoint(single_rank_run):
     """SGLang's weight_loader put the cast tool's tensors where the ModelOpt layout says."""
-    ck, loaded = single_rank_run.ckpt.weights, single_rank_run.loaded
+    ck, loaded = single_rank_run.ckpt.weights.to_modelopt(), single_rank_run.loaded
     assert torch.equal(loaded["w13"], ck.w13) and torch.equal(loaded["w2"], ck.w2)
     assert torch.equal(loaded["w13_scale"].view(torch.uint8), ck.w13_scale.view(torch.uint8))
     assert torch.equal(loaded["w2_scale"].view(torch.uint8), ck.w2_scale.view(torch.uint8))
@@ -471,7 +471,7 @@ def test_load_logs_backend_active(single_rank_run):
     active = [m for m in msgs if f"MoE runner backend {BACKEND} active" in m]
     assert len(active) == 1, msgs
     assert "8 local of 8 experts, hidden 64, intermediate/rank 64, moe tp 1/ep 1, activation situ" in active[0]
-    assert "w13 [8, 128, 32] + w2 [8, 64, 32] uint8 e2m1, linear e4m3 block-16 scales" in active[0]
+    assert "w13 [8, 8, 1, 512] + w2 [8, 4, 1, 512] kernel-native FP4 tiles (bit-placed e2m1, bf16 block-16" in active[0]
     print(active[0])
 
 
@@ -541,11 +541,12 @@ def test_silu_layer_matches_sglang_native_reference(one_rank, nvfp4_checkpoint):
         prefix=f"language_model.model.layers.{MOE_LAYER}.block_sparse_moe.experts", activation="silu",
     )
     _load_layer(layer, nvfp4_checkpoint, MOE_LAYER)
+    loaded = {n: getattr(layer, p).data.clone() for n, p in MODELOPT_PARAMS.items()}  # freed by the next step
     layer.quant_method.process_weights_after_loading(layer)
     x, logits = _inputs(layer.hidden_size, layer.num_experts)
     topk_output = _route(layer, x, logits)
     out = layer.forward(x, topk_output)
-    w13, w2 = _dense_modelopt({n: getattr(layer, p).data for n, p in MODELOPT_PARAMS.items()})
+    w13, w2 = _dense_modelopt(loaded)
     ref = _sglang_reference(w13, w2, x, topk_output, layer.moe_runner_config)
     assert ref.abs().max() > 0.1
     assert _rel_err(out, ref) <= FP32_TOL

@@ -35,9 +35,11 @@ def test_sigmoid_topk_routing_hand_computed():
 def test_random_weights_block_scale_kinds():
     pow2 = testing.random_nvfp4_moe_weights(2, 32, 16, seed=1)
     uni = testing.random_nvfp4_moe_weights(2, 32, 16, seed=1, block_scales="uniform")
-    assert int((pow2.w13_scale & 0x7).sum()) == 0  # E4M3 mantissa bits 0: powers of two
-    v = formats.e4m3_to_float(uni.w13_scale.view(torch.float8_e4m3fn))
-    assert (uni.w13_scale & 0x7).any() and float(v.min()) >= 0.5 and float(v.max()) <= 2.0
+    pow2_bits = pow2.to_modelopt().w13_scale.view(torch.uint8)
+    uni_scale = uni.to_modelopt().w13_scale
+    assert int((pow2_bits & 0x7).sum()) == 0  # E4M3 mantissa bits 0: powers of two
+    v = formats.e4m3_to_float(uni_scale)
+    assert (uni_scale.view(torch.uint8) & 0x7).any() and float(v.min()) >= 0.5 and float(v.max()) <= 2.0
     assert not torch.equal(uni.w13_scale_2[:, 0], uni.w13_scale_2[:, 1])  # gate != up
     with pytest.raises(ValueError, match="block_scales"):
         testing.random_nvfp4_moe_weights(2, 32, 16, block_scales="e8m0")

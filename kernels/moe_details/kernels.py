@@ -1,18 +1,17 @@
 """Triton jit kernels of the fused NVFP4 gated MoE (W4A16: FP4 weights dequantized in registers).
 
-Layouts read (canonical ModelOpt, K-major, see weights.py): w13 uint8 [E, 2I, H/2] (gate rows
-then up rows), w13 scales uint8 (E4M3 bits) [E, 2I, H/16], w2 uint8 [E, H, I/2], w2 scales
-[E, H, I/16]. Per row and K step a weight tile is BLOCK_K/2 contiguous bytes and BLOCK_K/16
-contiguous scale bytes (decoded once per 16 elements, then broadcast); activations are one
-contiguous [rows, BLOCK_K] tile split into even/odd columns in registers. Row strides come in
-as arguments so that Triton's divisibility-16 specialisation applies; with it, triton 3.6 and
-3.8 pipeline every load through shared memory (cp.async, num_stages) and use wgmma on sm90
-(checked by compiling for sm90 without a GPU).
+Weights are read in the kernel-native layout (layout.py, prepared once by NVFP4MoEWeights): per
+expert matrix [rows/16, K/64, 512] bytes of bit-placed nibbles and [rows/16, K/64, 64] bf16 block
+scales. A weight tile is dequantized by fp4.dequant_e2m1_words (2 integer instructions per weight
++ one mul.bf16x2 per two) straight into the MMA A-operand registers; the products carry
+2^-ACC_SHIFT, undone together with scale_2 on the fp32 accumulator. Activations are one contiguous
+[rows, BLOCK_K] tile (K in natural order: no even/odd split). With swap-AB (weights on the MMA M
+side) Hopper's wgmma takes the weights from registers and the activations from shared memory.
 
-Nibble planes: byte j of a row holds elements 2j (low) and 2j+1 (high). Instead of
-interleaving nibbles in registers, each K step does two dots: (even activation columns) x
-(low-nibble plane) and (odd columns) x (high plane). Sums are order-free, so this is the same
-GEMM.
+Row strides and tile counts come in as arguments so that Triton's divisibility-16 specialisation
+applies; triton 3.6 and 3.8 then pipeline every load through shared memory (cp.async,
+num_stages) and use wgmma on sm90 (checked by compiling for sm90 without a GPU, and measured by
+bench/sass_report.py).
 
 Grid of both GEMMs: (max_blocks, column tiles, split_k), max_blocks being the worst case of the
 routing alignment; blocks past the used rows exit at once (no host sync on the real count).
@@ -23,7 +22,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp4 import dequant_nvfp4_planes, e4m3_to_f32
+from .fp4 import dequant_e2m1_words, tile_e2m1_bf16
+from .layout import ACC_SCALE
+
+_ACC_SCALE = tl.constexpr(ACC_SCALE)
 
 ACT_SITU = 0
 ACT_SILU = 1
@@ -67,54 +69,52 @@ def _tile_index(offs_m, offs_n, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _load_act_planes(a_ptr, rows, stride_m, stride_k, k0, K, row_ok,
-                     BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr):
-    """Even and odd activation columns k0 + 2j, k0 + 2j + 1 of the given rows, oriented for the
-    dot: [BM, BLOCK_K/2] each, or [BLOCK_K/2, BM] with swap-AB. One contiguous [BM, BLOCK_K]
-    load (vectorised when stride_k == 1), split into the two planes in registers."""
+def _load_act_tile(a_ptr, rows, stride_m, stride_k, k0, K, row_ok, BLOCK_K: tl.constexpr):
+    """Activation columns k0 .. k0 + BLOCK_K of the given rows: [BM, BLOCK_K], zero outside."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = row_ok[:, None] & (offs_k < K)[None, :]
-    tile = tl.load(a_ptr + rows[:, None] * stride_m + offs_k[None, :] * stride_k, mask=mask, other=0.0)
-    even, odd = tl.split(tl.reshape(tile, (tile.shape[0], BLOCK_K // 2, 2)))
-    if SWAP_AB:
-        return tl.trans(even), tl.trans(odd)
-    else:
-        return even, odd
+    return tl.load(a_ptr + rows[:, None] * stride_m + offs_k[None, :] * stride_k, mask=mask, other=0.0)
 
 
 @triton.jit
-def _load_weight_planes(w_ptr, s_ptr, rows, row_bytes, row_scales, g0, n_ok, BLOCK_K: tl.constexpr):
-    """Dequantized nibble planes [BN, BLOCK_K/2] (elements 2j and 2j+1) of weight rows ``rows``,
-    starting at scale group g0 (16 elements = 8 bytes per group). The packed bytes are one
-    contiguous [BN, BLOCK_K/2] tile per row (16-byte vector loads when row_bytes % 16 == 0);
-    the BLOCK_K/16 scale bytes of a row are decoded once and broadcast over their 8 bytes."""
-    HALF_K: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 16
-    j = g0 * 8 + tl.arange(0, HALF_K)
-    g = g0 + tl.arange(0, GROUPS)
-    packed = tl.load(
-        w_ptr + rows[:, None] * row_bytes + j[None, :],
-        mask=n_ok[:, None] & (j < row_bytes)[None, :],
-        other=0,
-    )
-    scale_b = tl.load(
-        s_ptr + rows[:, None] * row_scales + g[None, :],
-        mask=n_ok[:, None] & (g < row_scales)[None, :],
-        other=0,
-    )
-    scale = e4m3_to_f32(scale_b.to(tl.int32))
-    n: tl.constexpr = scale.shape[0]
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (n, GROUPS, 8)), (n, HALF_K))
-    return dequant_nvfp4_planes(packed, scale)
+def _load_weight_tile(w_ptr, s_ptr, rt0, rt_end, k_tiles, k0,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """Dequantized weights bf16 [BLOCK_N, BLOCK_K] (x 2^-ACC_SHIFT) of a kernel-layout matrix
+    (layout.py: [row tiles, k_tiles, 512] bytes, [row tiles, k_tiles, 64] bf16 scales): row
+    tiles rt0 .. rt0 + BLOCK_N/16 (those >= rt_end read as 0), K elements k0 .. k0 + BLOCK_K.
+    Each lane loads 16 contiguous bytes per K tile (4 bf16x2 MMA registers per K step)."""
+    R: tl.constexpr = BLOCK_N // 16
+    if BLOCK_K >= 64:
+        G: tl.constexpr = BLOCK_K // 64
+        S: tl.constexpr = 4
+        s0 = 0
+    else:  # half a K tile: K steps (k0 % 64) / 16 .. + BLOCK_K / 16 of each lane's 4
+        G: tl.constexpr = 1
+        S: tl.constexpr = BLOCK_K // 16
+        s0 = (k0 % 64) // 16
+    rt = rt0 + tl.arange(0, R)
+    kt = k0 // 64 + tl.arange(0, G)
+    tile = rt[:, None] * k_tiles + kt[None, :]
+    ok = ((rt < rt_end)[:, None] & (kt < k_tiles)[None, :])[:, :, None]
+    byte = tl.reshape(tl.arange(0, 32)[:, None] * 16 + s0 * 4 + tl.arange(0, 4 * S)[None, :], (128 * S,))
+    packed = tl.load(w_ptr + tile[:, :, None] * 512 + byte[None, None, :], mask=ok, other=0)
+    sidx = tl.reshape(tl.arange(0, 8)[:, None] * 8 + s0 * 2 + tl.arange(0, 2 * S)[None, :], (16 * S,))
+    scale = tl.load(s_ptr + tile[:, :, None] * 64 + sidx[None, None, :], mask=ok, other=0.0)
+    # Each word's 4 scale elements: (rows g, rows g + 8) twice; broadcast over the 4 lanes t.
+    scale = tl.broadcast_to(tl.reshape(scale, (R, G, 8, 1, S, 1, 2)), (R, G, 8, 4, S, 2, 2))
+    scale = tl.reshape(scale, (R, G, 128 * S))
+    r0, r1 = dequant_e2m1_words(packed, scale, USE_ASM)
+    return tile_e2m1_bf16(r0, r1, R, G, S)
 
 
 @triton.jit
 def _mma(acc, a, w, SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """acc += a-plane x w-plane; a is [BM, BK/2] (or [BK/2, BM] with swap), w is [BN, BK/2]."""
+    """acc += a x w^T; a is activations [BM, BK], w weights [BN, BK]; acc [BN, BM] with swap-AB
+    (weights on the MMA M side, from registers), else [BM, BN]."""
     a = a.to(DOT_DTYPE)
     w = w.to(DOT_DTYPE)
     if SWAP_AB:
-        return tl.dot(w, a, acc, input_precision=PRECISION)
+        return tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
     else:
         return tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
 
@@ -122,14 +122,14 @@ def _mma(acc, a, w, SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: t
 @triton.jit
 def gemm1_gated_kernel(
     x_ptr, stride_xm, stride_xk,
-    w_ptr, ws_ptr, s2_ptr, row_bytes, row_scales,
+    w_ptr, ws_ptr, s2_ptr, k_tiles,
     out_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, top_k, H, I,
     beta, linear_beta,
     ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """GEMM1 + gated activation for one (row block, column tile, K slice).
 
@@ -154,10 +154,10 @@ def gemm1_gated_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
 
-    # row_bytes = H / 2 and row_scales = H / 16 come as arguments: Triton specialises ints
-    # divisible by 16, which is what enables 16-byte vector loads of the packed rows.
-    gate_rows = expert * 2 * I + offs_n
-    up_rows = gate_rows + I
+    # Row tiles (16 rows) of this expert's gate rows n and up rows I + n in w13 [E * 2I/16, ...].
+    rt_expert = expert * (2 * I // 16)
+    rt_gate = rt_expert + pid_n * (BLOCK_N // 16)
+    rt_up = rt_gate + I // 16
 
     k_steps = tl.cdiv(H, BLOCK_K)
     steps_per_split = tl.cdiv(k_steps, SPLIT_K)
@@ -172,18 +172,15 @@ def gemm1_gated_kernel(
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     for step in range(step_lo, step_hi):
-        x_even, x_odd = _load_act_planes(x_ptr, token, stride_xm, stride_xk, step * BLOCK_K, H, row_ok,
-                                         BLOCK_K, SWAP_AB)
-        g0 = step * (BLOCK_K // 16)
-        g_even, g_odd = _load_weight_planes(w_ptr, ws_ptr, gate_rows, row_bytes, row_scales, g0, n_ok, BLOCK_K)
-        acc_g = _mma(acc_g, x_even, g_even, SWAP_AB, DOT_DTYPE, PRECISION)
-        acc_g = _mma(acc_g, x_odd, g_odd, SWAP_AB, DOT_DTYPE, PRECISION)
-        u_even, u_odd = _load_weight_planes(w_ptr, ws_ptr, up_rows, row_bytes, row_scales, g0, n_ok, BLOCK_K)
-        acc_u = _mma(acc_u, x_even, u_even, SWAP_AB, DOT_DTYPE, PRECISION)
-        acc_u = _mma(acc_u, x_odd, u_odd, SWAP_AB, DOT_DTYPE, PRECISION)
+        k0 = step * BLOCK_K
+        x = _load_act_tile(x_ptr, token, stride_xm, stride_xk, k0, H, row_ok, BLOCK_K)
+        wg = _load_weight_tile(w_ptr, ws_ptr, rt_gate, rt_expert + I // 16, k_tiles, k0, BLOCK_N, BLOCK_K, USE_ASM)
+        acc_g = _mma(acc_g, x, wg, SWAP_AB, DOT_DTYPE, PRECISION)
+        wu = _load_weight_tile(w_ptr, ws_ptr, rt_up, rt_expert + 2 * I // 16, k_tiles, k0, BLOCK_N, BLOCK_K, USE_ASM)
+        acc_u = _mma(acc_u, x, wu, SWAP_AB, DOT_DTYPE, PRECISION)
 
-    acc_g = acc_g * tl.load(s2_ptr + expert * 2)
-    acc_u = acc_u * tl.load(s2_ptr + expert * 2 + 1)
+    acc_g = acc_g * (tl.load(s2_ptr + expert * 2) * _ACC_SCALE)
+    acc_u = acc_u * (tl.load(s2_ptr + expert * 2 + 1) * _ACC_SCALE)
 
     m_idx, n_idx = _tile_index(offs_m.to(tl.int64), offs_n, SWAP_AB)
     ok_m, ok_n = _tile_index(row_ok, n_ok, SWAP_AB)
@@ -227,12 +224,12 @@ def gated_activation_kernel(
 @triton.jit
 def gemm2_combine_kernel(
     a_ptr,
-    w_ptr, ws_ptr, s2_ptr, row_bytes, row_scales,
+    w_ptr, ws_ptr, s2_ptr, k_tiles,
     topk_w_ptr, out_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, top_k, H, I, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
     USE_ATOMIC: tl.constexpr, ROW_IS_TOKEN: tl.constexpr,
 ):
     """GEMM2 (intermediate [max_padded, I] x w2^T) x scale_2 x routing weight x scale.
@@ -255,7 +252,8 @@ def gemm2_combine_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
 
-    w_rows = expert * H + offs_n
+    rt0 = expert * (H // 16) + pid_n * (BLOCK_N // 16)
+    rt_end = (expert + 1) * (H // 16)
 
     k_steps = tl.cdiv(I, BLOCK_K)
     steps_per_split = tl.cdiv(k_steps, SPLIT_K)
@@ -267,11 +265,10 @@ def gemm2_combine_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(step_lo, step_hi):
-        a_even, a_odd = _load_act_planes(a_ptr, offs_m, I, 1, step * BLOCK_K, I, row_ok, BLOCK_K, SWAP_AB)
-        w_even, w_odd = _load_weight_planes(w_ptr, ws_ptr, w_rows, row_bytes, row_scales, step * (BLOCK_K // 16),
-                                            n_ok, BLOCK_K)
-        acc = _mma(acc, a_even, w_even, SWAP_AB, DOT_DTYPE, PRECISION)
-        acc = _mma(acc, a_odd, w_odd, SWAP_AB, DOT_DTYPE, PRECISION)
+        k0 = step * BLOCK_K
+        a = _load_act_tile(a_ptr, offs_m, I, 1, k0, I, row_ok, BLOCK_K)
+        w = _load_weight_tile(w_ptr, ws_ptr, rt0, rt_end, k_tiles, k0, BLOCK_N, BLOCK_K, USE_ASM)
+        acc = _mma(acc, a, w, SWAP_AB, DOT_DTYPE, PRECISION)
 
     routing_w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
     if ROW_IS_TOKEN:
@@ -282,7 +279,7 @@ def gemm2_combine_kernel(
         acc = acc * routing_w[None, :]
     else:
         acc = acc * routing_w[:, None]
-    acc = acc * (tl.load(s2_ptr + expert) * scale)
+    acc = acc * (tl.load(s2_ptr + expert) * (scale * _ACC_SCALE))
     r_idx, n_idx = _tile_index(out_row, offs_n, SWAP_AB)
     ok_r, ok_n = _tile_index(row_ok, n_ok, SWAP_AB)
     mask = ok_r & ok_n

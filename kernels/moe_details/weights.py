@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from typing import NamedTuple
+
 import torch
+
+from .. import formats
+from . import layout
+
+
+class ModelOptMoETensors(NamedTuple):
+    """SGLang's ModelOpt NVFP4 MoE tensors of one layer (canonical layout, scales as e4m3)."""
+
+    w13: torch.Tensor  # uint8 [E, 2I, H/2]
+    w13_scale: torch.Tensor  # float8_e4m3fn [E, 2I, H/16]
+    w13_scale_2: torch.Tensor  # float32 [E, 2]
+    w2: torch.Tensor  # uint8 [E, H, I/2]
+    w2_scale: torch.Tensor  # float8_e4m3fn [E, H, I/16]
+    w2_scale_2: torch.Tensor  # float32 [E]
 
 
 def _check(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> None:
@@ -23,19 +40,19 @@ def _shape(t: torch.Tensor, name: str, expected: tuple[int, ...]) -> None:
 
 @dataclass(frozen=True)
 class NVFP4MoEWeights:
-    """Routed-expert weights of one layer, NVFP4 (E2M1 nibbles, E4M3 16-block scales, fp32 scale_2).
+    """Routed-expert weights of one layer, NVFP4, in the kernel-native layout (layout.py).
 
-    Layout (what the Triton kernels read; the ModelOpt layout made contiguous, scales kept as
-    raw E4M3 bytes so the kernels decode them with integer ops):
-      w13        uint8 [E, 2I, H/2]   gate (w1) rows 0..I-1, then up (w3) rows I..2I-1; K-major,
-                                       low nibble = even element.
-      w13_scale  uint8 [E, 2I, H/16]  E4M3 bit patterns, one per 16 elements of a row.
-      w13_scale_2 float32 [E, 2]      (gate, up) per-tensor scales.
-      w2         uint8 [E, H, I/2]
-      w2_scale   uint8 [E, H, I/16]
-      w2_scale_2 float32 [E]
-    value = e2m1(nibble) * e4m3(scale) * scale_2. ``to_modelopt()`` returns the canonical tensors
-    (scales as float8_e4m3fn).
+      w13         uint8 [E, 2I/16, ceil(H/64), 512]  gate (w1) rows 0..I-1, then up (w3) rows
+                                                     I..2I-1, bit-placed E2M1 nibbles in MMA tiles
+      w13_scale   bf16  [E, 2I/16, ceil(H/64), 64]   block-16 scales x 2^(126 - ACC_SHIFT)
+      w13_scale_2 float32 [E, 2]                     (gate, up) per-tensor scales
+      w2          uint8 [E, H/16, ceil(I/64), 512]
+      w2_scale    bf16  [E, H/16, ceil(I/64), 64]
+      w2_scale_2  float32 [E]
+    value = e2m1(nibble) x e4m3(scale) x scale_2, as in ModelOpt. Built by :meth:`from_modelopt`
+    (SGLang's NVFP4 MoE tensors) or :meth:`from_mxfp4`; :meth:`to_modelopt` gives the canonical
+    tensors back bit for bit. The layout holds the nibbles once (K padded to 64) and the scales
+    as bf16: the ModelOpt bytes plus one byte per 16 weights.
     """
 
     w13: torch.Tensor
@@ -44,22 +61,24 @@ class NVFP4MoEWeights:
     w2: torch.Tensor
     w2_scale: torch.Tensor
     w2_scale_2: torch.Tensor
+    hidden_size: int
+    intermediate_size: int
 
     @property
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
     @property
-    def hidden_size(self) -> int:
-        return self.w2.shape[1]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
     def device(self) -> torch.device:
         return self.w13.device
+
+    @property
+    def w13_k_tiles(self) -> int:
+        return self.w13.shape[2]
+
+    @property
+    def w2_k_tiles(self) -> int:
+        return self.w2.shape[2]
 
     @classmethod
     def from_modelopt(
@@ -76,65 +95,140 @@ class NVFP4MoEWeights:
         w13 uint8 [E, 2I, H/2]; w13_scale float8_e4m3fn (or its uint8 bits) [E, 2I, H/16];
         w13_scale_2 float32 [E, 2] (gate, up) or [E] (one scale for both halves);
         w2 uint8 [E, H, I/2]; w2_scale float8_e4m3fn [E, H, I/16]; w2_scale_2 float32 [E].
-        H and I must be multiples of 16.
+        H and I must be multiples of 16. The inputs are not modified.
         """
         scale_dtypes = (torch.float8_e4m3fn, torch.uint8)
         _check(w13, "w13", (torch.uint8,), 3)
         _check(w2, "w2", (torch.uint8,), 3)
         _check(w13_scale, "w13_scale", scale_dtypes, 3)
         _check(w2_scale, "w2_scale", scale_dtypes, 3)
-        if not isinstance(w13_scale_2, torch.Tensor) or not isinstance(w2_scale_2, torch.Tensor):
-            raise TypeError("w13_scale_2 and w2_scale_2 must be torch.Tensor")
-        if w13_scale_2.dtype != torch.float32:
-            raise TypeError(f"w13_scale_2: expected dtype torch.float32, got {w13_scale_2.dtype}")
-        if w2_scale_2.dtype != torch.float32:
-            raise TypeError(f"w2_scale_2: expected dtype torch.float32, got {w2_scale_2.dtype}")
-
-        E, two_i, half_h = w13.shape
-        if two_i % 2:
-            raise ValueError(f"w13: dim 1 ({two_i}) must be 2*I (gate rows then up rows)")
-        I, H = two_i // 2, half_h * 2
-        if H % 16:
-            raise ValueError(f"w13: hidden size H = 2 * {half_h} = {H} is not a multiple of 16")
-        if I % 16:
-            raise ValueError(f"w13: intermediate size I = {I} is not a multiple of 16")
+        E, I, H = _check_shapes(w13, w2, w13_scale_2, w2_scale_2)
         _shape(w13_scale, "w13_scale", (E, 2 * I, H // 16))
-        _shape(w2, "w2", (E, H, I // 2))
         _shape(w2_scale, "w2_scale", (E, H, I // 16))
-        if w13_scale_2.dim() == 1:
-            _shape(w13_scale_2, "w13_scale_2", (E,))
-            w13_scale_2 = w13_scale_2[:, None].expand(E, 2)
-        else:
-            _shape(w13_scale_2, "w13_scale_2", (E, 2))
-        _shape(w2_scale_2.reshape(-1) if w2_scale_2.dim() == 2 and w2_scale_2.shape[1] == 1 else w2_scale_2,
-               "w2_scale_2", (E,))
-        devices = {t.device for t in (w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)}
-        if len(devices) != 1:
-            raise ValueError(f"NVFP4MoEWeights: all six tensors must be on one device, got {sorted(map(str, devices))}")
-
-        def raw(t: torch.Tensor) -> torch.Tensor:
-            return t.contiguous().view(torch.uint8)
-
+        _same_device(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+        try:
+            s13 = layout.pack_e4m3_scale_tiles(w13_scale)
+        except ValueError as e:
+            raise ValueError(f"w13_scale: {e}") from None
+        try:
+            s2 = layout.pack_e4m3_scale_tiles(w2_scale)
+        except ValueError as e:
+            raise ValueError(f"w2_scale: {e}") from None
         return cls(
-            w13=w13.contiguous(),
-            w13_scale=raw(w13_scale),
-            w13_scale_2=w13_scale_2.contiguous(),
-            w2=w2.contiguous(),
-            w2_scale=raw(w2_scale),
+            w13=layout.pack_e2m1_tiles(w13),
+            w13_scale=s13,
+            w13_scale_2=_gate_up_scale_2(w13_scale_2, E),
+            w2=layout.pack_e2m1_tiles(w2),
+            w2_scale=s2,
             w2_scale_2=w2_scale_2.reshape(E).contiguous(),
+            hidden_size=H,
+            intermediate_size=I,
         )
 
-    def to_modelopt(self) -> tuple[torch.Tensor, ...]:
-        """(w13, w13_scale e4m3, w13_scale_2 [E, 2], w2, w2_scale e4m3, w2_scale_2 [E]) - canonical."""
-        return (
-            self.w13,
-            self.w13_scale.view(torch.float8_e4m3fn),
+    @classmethod
+    def from_mxfp4(
+        cls,
+        w13: torch.Tensor,
+        w13_e8m0: torch.Tensor,
+        w2: torch.Tensor,
+        w2_e8m0: torch.Tensor,
+    ) -> "NVFP4MoEWeights":
+        """The same layout from MXFP4 expert tensors (E2M1 nibbles, E8M0 exponents per 32).
+
+        w13 uint8 [E, 2I, H/2] (w1 rows then w3 rows), w13_e8m0 uint8 [E, 2I, H/32], w2 uint8
+        [E, H, I/2], w2_e8m0 uint8 [E, H, I/32]. Like the closed-form cast, scale_2 = 2^m with
+        m = k_max - 8 (k_max over all blocks of the expert's w1 and w3 together), so every
+        block whose exponent lies within 17 binades of k_max dequantizes to exactly the cast's
+        NVFP4 value; the bf16 block scales also hold blocks further below (down to the bf16
+        range) exactly. e8m0 = 255 (NaN) is refused.
+        """
+        _check(w13, "w13", (torch.uint8,), 3)
+        _check(w2, "w2", (torch.uint8,), 3)
+        _check(w13_e8m0, "w13_e8m0", (torch.uint8,), 3)
+        _check(w2_e8m0, "w2_e8m0", (torch.uint8,), 3)
+        E, two_i, half_h = w13.shape
+        I, H = two_i // 2, half_h * 2
+        if H % 32 or I % 32:
+            raise ValueError(f"from_mxfp4: H = {H} and I = {I} must be multiples of 32 (the MXFP4 block)")
+        _shape(w13_e8m0, "w13_e8m0", (E, 2 * I, H // 32))
+        _shape(w2, "w2", (E, H, I // 2))
+        _shape(w2_e8m0, "w2_e8m0", (E, H, I // 32))
+        _same_device(w13, w13_e8m0, w2, w2_e8m0)
+        m13 = _mxfp4_scale_2_exp(w13_e8m0, "w13_e8m0")
+        m2 = _mxfp4_scale_2_exp(w2_e8m0, "w2_e8m0")
+        s13 = layout.pack_e8m0_scale_tiles(w13_e8m0, m13)
+        s2 = layout.pack_e8m0_scale_tiles(w2_e8m0, m2)
+        return cls(
+            w13=layout.pack_e2m1_tiles(w13),
+            w13_scale=s13,
+            w13_scale_2=torch.exp2(m13.float())[:, None].expand(E, 2).contiguous(),
+            w2=layout.pack_e2m1_tiles(w2),
+            w2_scale=s2,
+            w2_scale_2=torch.exp2(m2.float()).contiguous(),
+            hidden_size=H,
+            intermediate_size=I,
+        )
+
+    def to_modelopt(self) -> ModelOptMoETensors:
+        """The canonical ModelOpt tensors (new tensors, unpacked from the kernel layout)."""
+        H, I = self.hidden_size, self.intermediate_size
+        return ModelOptMoETensors(
+            layout.unpack_e2m1_tiles(self.w13, H),
+            layout.unpack_e4m3_scale_tiles(self.w13_scale, H),
             self.w13_scale_2,
-            self.w2,
-            self.w2_scale.view(torch.float8_e4m3fn),
+            layout.unpack_e2m1_tiles(self.w2, I),
+            layout.unpack_e4m3_scale_tiles(self.w2_scale, I),
             self.w2_scale_2,
         )
 
     def to(self, device) -> "NVFP4MoEWeights":
-        return NVFP4MoEWeights(*(getattr(self, f).to(device) for f in (
-            "w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")))
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in _TENSORS})
+
+
+_TENSORS = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
+
+
+def _check_shapes(w13, w2, w13_scale_2, w2_scale_2) -> tuple[int, int, int]:
+    if not isinstance(w13_scale_2, torch.Tensor) or not isinstance(w2_scale_2, torch.Tensor):
+        raise TypeError("w13_scale_2 and w2_scale_2 must be torch.Tensor")
+    if w13_scale_2.dtype != torch.float32:
+        raise TypeError(f"w13_scale_2: expected dtype torch.float32, got {w13_scale_2.dtype}")
+    if w2_scale_2.dtype != torch.float32:
+        raise TypeError(f"w2_scale_2: expected dtype torch.float32, got {w2_scale_2.dtype}")
+    E, two_i, half_h = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13: dim 1 ({two_i}) must be 2*I (gate rows then up rows)")
+    I, H = two_i // 2, half_h * 2
+    if H % 16:
+        raise ValueError(f"w13: hidden size H = 2 * {half_h} = {H} is not a multiple of 16")
+    if I % 16:
+        raise ValueError(f"w13: intermediate size I = {I} is not a multiple of 16")
+    _shape(w2, "w2", (E, H, I // 2))
+    if w13_scale_2.dim() == 1:
+        _shape(w13_scale_2, "w13_scale_2", (E,))
+    else:
+        _shape(w13_scale_2, "w13_scale_2", (E, 2))
+    _shape(w2_scale_2.reshape(-1) if w2_scale_2.dim() == 2 and w2_scale_2.shape[1] == 1 else w2_scale_2,
+           "w2_scale_2", (E,))
+    return E, I, H
+
+
+def _gate_up_scale_2(w13_scale_2: torch.Tensor, E: int) -> torch.Tensor:
+    if w13_scale_2.dim() == 1:
+        w13_scale_2 = w13_scale_2[:, None].expand(E, 2)
+    return w13_scale_2.contiguous()
+
+
+def _same_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"NVFP4MoEWeights: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _mxfp4_scale_2_exp(e8m0: torch.Tensor, name: str) -> torch.Tensor:
+    """Per expert m = k_max - 8, k_max over all its blocks (the closed-form cast's choice,
+    kernels/cast.py), int64 [E]."""
+    if (e8m0 == formats.E8M0_NAN).any():
+        raise ValueError(f"{name}: holds 255 (the E8M0 NaN); MXFP4 block exponents must be finite")
+    k_max = e8m0.flatten(1).amax(1).to(torch.int64) - formats.E8M0_BIAS
+    return k_max - formats.E4M3_MAX_EXP2
