@@ -119,6 +119,7 @@ def fused_moe_nvfp4(
         ACT=act, HAS_LINEAR_BETA=has_lb,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1, SPLIT_K=config.split_k1,
         SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
+        EVEN_K=H % config.block_k1 == 0,
         num_warps=config.num_warps1, num_stages=config.num_stages1,
     )
     if config.split_k1 > 1:
@@ -149,7 +150,7 @@ def fused_moe_nvfp4(
         num_pairs, k, H, I, 1.0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
         SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
-        USE_ATOMIC=use_atomic, ROW_IS_TOKEN=row_is_token,
+        EVEN_K=I % config.block_k2 == 0, USE_ATOMIC=use_atomic, ROW_IS_TOKEN=row_is_token,
         num_warps=config.num_warps2, num_stages=config.num_stages2,
     )
     scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)

@@ -205,7 +205,7 @@ def _block_m_choices(base: MoEConfig) -> list[dict]:
     i = ladder.index(base.block_m) if base.block_m in ladder else 0
     out = []
     for bm in ladder[max(0, i - 1) : i + 2]:
-        for swap in ([True, False] if bm <= 32 else [False]):
+        for swap in ([True, False] if bm <= 64 else [False]):
             out.append({"block_m": bm, "swap_ab": swap})
     return out
 
@@ -220,12 +220,14 @@ def _expand_stage(stage: dict[str, list], best: MoEConfig) -> list[MoEConfig]:
         choices = [{**c, **o} for c in choices for o in options]
     out: dict[MoEConfig, None] = {}  # ordered, de-duplicated
     for c in choices:
-        if c.get("split_k2", 1) > 1:
-            c["atomic_reduce"] = True  # GEMM2 split-K implies atomic reduction
         try:
             cfg = dataclasses.replace(best, **c)
         except (TypeError, ValueError):
             continue
+        if cfg.split_k2 > 1 and not cfg.atomic_reduce:
+            if c.get("atomic_reduce") is False:
+                continue  # GEMM2 split-K implies atomic reduction: this combination is not a config
+            cfg = dataclasses.replace(cfg, atomic_reduce=True)
         out[cfg] = None
     return list(out)
 
@@ -347,8 +349,12 @@ def tune_batch_size(
     max_configs: int | None,
     deadline: float | None,
     progress: bool,
+    spill_check: Callable[[MoEConfig], str | None] | None = None,
 ) -> tuple[Candidate | None, list[Candidate], bool]:
-    """Staged search for one batch size. Returns (best, all tried, complete)."""
+    """Staged search for one batch size. Returns (best, all tried, complete).
+
+    spill_check(cfg) -> reason or None: configs it rejects (register spills, see
+    :func:`offline_spill_check`) are recorded with the reason and never run or timed."""
     from tqdm.auto import tqdm
 
     from .moe import fused_moe_nvfp4, fused_moe_nvfp4_reference
@@ -379,6 +385,10 @@ def tune_batch_size(
             cand = Candidate(cfg)
             tried.append(cand)
             bar.update(1)
+            reason = spill_check(cfg) if spill_check is not None else None
+            if reason:
+                cand.note = f"skipped: {reason}"
+                continue
             run = lambda: fused_moe_nvfp4(x, weights, topk_weights, topk_ids, out=out, config=cfg, **kw)  # noqa: E731
             try:
                 out.fill_(float("nan"))  # every element must be written
@@ -403,6 +413,46 @@ def tune_batch_size(
             break
     bar.close()
     return best, tried, complete
+
+
+def offline_spill_check(shape: "TuneShape", device: torch.device) -> Callable[[MoEConfig], str | None]:
+    """A spill_check for tune_batch_size: compiles both GEMMs of a config offline for this GPU's
+    architecture (no launch) and rejects it when either uses local memory (register spills),
+    which no shipped config may do. Cached per GEMM config."""
+    import functools
+
+    from . import sass
+    from .moe_details.compile_check import compile_gemm
+
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = 10 * major + minor
+
+    @functools.lru_cache(maxsize=None)
+    def local_bytes(kind: str, cfg: MoEConfig) -> int:
+        cubin = compile_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch).asm["cubin"]
+        return max(u.local_bytes for u in sass.resource_usage(cubin).values())
+
+    def check(cfg: MoEConfig) -> str | None:
+        for kind in ("gemm1", "gemm2"):
+            try:
+                n = local_bytes(kind, _gemm_view(kind, cfg))
+            except Exception:  # compile errors are reported by the timed run itself
+                return None
+            if n:
+                return f"{kind} spills {n} bytes of local memory per thread (sm_{arch})"
+        return None
+
+    return check
+
+
+def _gemm_view(kind: str, cfg: MoEConfig) -> MoEConfig:
+    """cfg with the other GEMM's knobs reset, so the cache is keyed by what the GEMM compiles."""
+    d = MoEConfig()
+    if kind == "gemm1":
+        return dataclasses.replace(cfg, block_n2=d.block_n2, block_k2=d.block_k2, split_k2=d.split_k2,
+                                   num_warps2=d.num_warps2, num_stages2=d.num_stages2, atomic_reduce=False)
+    return dataclasses.replace(cfg, block_n1=d.block_n1, block_k1=d.block_k1, split_k1=d.split_k1,
+                               num_warps1=d.num_warps1, num_stages1=d.num_stages1)
 
 
 def _parse_batch_sizes(text: str) -> list[int]:
@@ -545,6 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if todo:
         weights = problem_weights(shape, device, seed=args.seed)
         timer = Timer(device, warmup, iters)
+        spill_check = offline_spill_check(shape, device) if device.type == "cuda" else None
         from tqdm.auto import tqdm
 
         for M in tqdm(todo, desc="batch sizes", unit="M", disable=args.no_progress, file=sys.stderr):
@@ -554,7 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             best, tried, complete = tune_batch_size(
                 M, shape, weights, space, timer, device=device, dtype=dtype, activation=args.activation,
                 tol=tol, seed=args.seed, expert_offset=0, max_configs=args.max_configs, deadline=deadline,
-                progress=not args.no_progress,
+                progress=not args.no_progress, spill_check=spill_check,
             )  # fmt: skip
             for c in tried:
                 if c.note:

@@ -58,7 +58,8 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
                     k_tiles=-(-H // 64), out_ptr="*fp32" if sk > 1 else f"*{dtype}", sorted_ids_ptr="*i32",
                     block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I,
                     beta=4.0, linear_beta=25.0)
-        consts = dict(ACT=0, HAS_LINEAR_BETA=True, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1)
+        consts = dict(ACT=0, HAS_LINEAR_BETA=True, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
+                      EVEN_K=H % config.block_k1 == 0)
     elif kind == "gemm2":
         sk, warps, stages = config.split_k2, config.num_warps2, config.num_stages2
         fn = K.gemm2_combine_kernel
@@ -67,7 +68,7 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
                     num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I, scale=1.0)
         use_atomic = config.atomic_reduce or sk > 1
         consts = dict(USE_ATOMIC=use_atomic, ROW_IS_TOKEN=config.atomic_reduce,
-                      BLOCK_N=config.block_n2, BLOCK_K=config.block_k2)
+                      BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, EVEN_K=I % config.block_k2 == 0)
     else:
         raise ValueError(f"kind: expected 'gemm1' or 'gemm2', got {kind!r}")
     consts.update(BLOCK_M=config.block_m, SPLIT_K=sk, SWAP_AB=config.swap_ab, DOT_DTYPE=tl_dtype,
@@ -106,7 +107,7 @@ def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E:
     for bm, swap, bn, bk, sk, nw in [(16, True, 64, 128, 4, 4), (64, False, 128, 128, 1, 8)]:
         tag = f"bm{bm}_{'swap' if swap else 'noswap'}_bn{bn}_bk{bk}_sk{sk}"
         common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWAP_AB=swap, DOT_DTYPE=tl.bfloat16, PRECISION=None,
-                      USE_ASM=True)
+                      USE_ASM=True, EVEN_K=False)
         run(f"gemm1_{tag}", K.gemm1_gated_kernel,
             dict(x_ptr="*bf16", stride_xm=H, stride_xk=1, w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32",
                  k_tiles=-(-H // 64), out_ptr="*fp32" if sk > 1 else "*bf16", sorted_ids_ptr="*i32",

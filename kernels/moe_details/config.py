@@ -9,13 +9,13 @@ Knobs of :class:`MoEConfig` (the tuner's search space; every field is a real ker
                    Use for decode (block_m <= 32). Both GEMMs.
 - ``block_n1``     GEMM1 output columns per program, per half: the program computes gate AND up
                    for these columns (2 * block_n1 weight rows). {16, 32, 64, 128}.
-- ``block_k1``     GEMM1 reduction step over H (a multiple of 32: 16 packed bytes per row).
-                   {32, 64, 128, 256}.
+- ``block_k1``     GEMM1 reduction step over H: whole 64-element K tiles of the weight layout
+                   (16 bytes per lane), or half a tile (32). {32, 64, 128, 256}.
 - ``split_k1``     GEMM1 split over H. > 1 writes fp32 partial sums [split_k1, pad, 2I] and runs
                    the activation in a small second kernel (deterministic sum). {1, 2, 4, 8}.
 - ``num_warps1``, ``num_stages1``: Triton launch knobs of GEMM1.
-- ``block_n2``     GEMM2 output columns (of H) per program. {16, 32, 64, 128, 256}.
-- ``block_k2``     GEMM2 reduction step over I (a multiple of 32). {32, 64, 128, 256}.
+- ``block_n2``     GEMM2 output columns (of H) per program. {16, 32, 64, 128, 256, 512}.
+- ``block_k2``     GEMM2 reduction step over I, as block_k1. {32, 64, 128, 256}.
 - ``split_k2``     GEMM2 split over I; > 1 forces fp32 atomics (summation order not fixed).
 - ``num_warps2``, ``num_stages2``: Triton launch knobs of GEMM2.
 - ``atomic_reduce`` GEMM2 reduction over top-k: False = each (token, slot) row is stored to an
@@ -82,7 +82,7 @@ class MoEConfig:
         pow2("block_m", 16)
         pow2("block_n1", 16)
         pow2("block_n2", 16)
-        pow2("block_k1", 32)  # two nibble planes of >= 16 elements each feed tl.dot
+        pow2("block_k1", 32)  # half a 64-wide K tile of the weight layout at least
         pow2("block_k2", 32)
         pow2("split_k1", 1)
         pow2("split_k2", 1)
@@ -158,13 +158,32 @@ def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -
     return _load_configs_cached(str(path), st.st_mtime_ns)
 
 
-def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: int = _DEFAULT_NUM_SMS) -> MoEConfig:
-    """Default config when nothing is tuned.
+def _largest_dividing(k: int, options: tuple[int, ...]) -> int:
+    """The largest block in options that divides k (no masked K tail), else the smallest."""
+    for b in sorted(options, reverse=True):
+        if k % b == 0:
+            return b
+    return min(options)
 
-    - block_m from the mean tokens per expert (M * top_k / E): 16 up to 16, 32 up to 64, 64 up to
-      256, else 128; swap_ab (tokens on the MMA N side) when block_m <= 32.
-    - block_n1 = 64 (128 weight rows: gate + up), block_n2 = 64 (128 when block_m >= 64);
-      block_k = 128 (64 packed bytes per row: 16-byte vector loads).
+
+def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: int = _DEFAULT_NUM_SMS) -> MoEConfig:
+    """Default config when nothing is tuned, chosen from the static SASS report
+    (bench/sass_report.py, sm90): every choice below keeps the hot K loop at <= 0.10
+    warp-instructions per weight for block_m <= 64 (<= 0.12 at 128) and spills nothing.
+
+    - block_m from the mean tokens per expert (M * top_k / E): 16 up to 16, 32 up to 64, 64 up
+      to 512, else 128. block_m 128 runs the weights as the MMA's B operand (no swap-AB: a
+      [rows, 128 tokens] accumulator pair would spill), which costs more instructions per
+      weight and pays back only with several full 128-token blocks per expert.
+    - swap_ab (weights on the MMA M side, from registers) for block_m <= 64.
+    - GEMM1: block_n1 = 128 (256 weight rows per program: gate + up), block_k1 = 256 for
+      block_m <= 32 (128 at block_m 64: the accumulators need the registers), 8 warps (2
+      warpgroups of 64 weight rows each: no warp decodes a weight twice); at block_m 128,
+      64 x 256 (the larger tiles spill on Triton 3.6).
+    - GEMM2: block_n2 = 256; block_k2 the largest of 256 / 128 / 64 dividing I (no masked
+      tail: K3's TP16 shard has I = 192), capped at 128 for block_m >= 64; 4 warps with
+      block_k2 = 64 at block_m <= 32 (each warp then owns 64 rows, halving the per-iteration
+      overhead; at block_m 64 that would spill), else 8.
     - split-K when the expected number of programs (active experts x column tiles) is below
       2 x num_sms: enough K slices to reach it, capped at 8 and at K / block_k.
     - atomic_reduce (fp32 atomics into [M, H]) when GEMM2 is split over K or when the
@@ -177,14 +196,19 @@ def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: in
         block_m = 16
     elif per_expert <= 64:
         block_m = 32
-    elif per_expert <= 256:
+    elif per_expert <= 512:
         block_m = 64
     else:
         block_m = 128
+    swap = block_m <= 64
     active_blocks = min(E, pairs) + pairs // block_m
-    block_n1, block_k1 = 64, 128
-    block_n2 = 128 if block_m >= 64 else 64
-    block_k2 = 128
+    # block_m 128 (no swap-AB): 64 x 256 tiles, the only GEMM1 shape at 128 tokens that spills on
+    # neither Triton 3.6 nor 3.8.
+    block_n1 = 64 if block_m == 128 else 128
+    block_k1 = _largest_dividing(H, (256, 128, 64) if block_m != 64 else (128, 64))
+    block_n2 = 256
+    block_k2 = _largest_dividing(I, (256, 128, 64) if block_m <= 32 else (128, 64))
+    warps2 = 4 if block_k2 == 64 and block_m <= 32 else 8
 
     def split(k_dim: int, block_k: int, tiles: int) -> int:
         s = 1
@@ -194,19 +218,18 @@ def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: in
 
     split_k1 = split(H, block_k1, active_blocks * -(-I // block_n1))
     split_k2 = split(I, block_k2, active_blocks * -(-H // block_n2))
-    warps = 4 if block_m <= 32 else 8
     return MoEConfig(
         block_m=block_m,
-        swap_ab=block_m <= 32,
+        swap_ab=swap,
         block_n1=block_n1,
         block_k1=block_k1,
         split_k1=split_k1,
-        num_warps1=warps,
+        num_warps1=8,
         num_stages1=3,
         block_n2=block_n2,
         block_k2=block_k2,
         split_k2=split_k2,
-        num_warps2=warps,
+        num_warps2=warps2,
         num_stages2=3,
         atomic_reduce=split_k2 > 1 or pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES,
     )

@@ -19,23 +19,25 @@ from .layout import MAG_MASK, SIGN_MASK, WORD_ROTATIONS
 
 
 def _ptx() -> str:
+    """Operands: $0..$7 the 8 bf16 results (output o = 2j + h of the word, low half first),
+    $8 the word, $9 / $10 the bf16 block scales of rows g / g + 8."""
     rot = sorted({r for pair in WORD_ROTATIONS for r in pair if r})
-    lines = [".reg .b32 " + ", ".join([f"r{r}" for r in rot] + ["m0", "m1", "m2", "m3", "sa", "sb"]) + ";",
-             ".reg .b16 s0, s1;"]
-    lines += [f"shf.l.wrap.b32 r{r}, $4, $4, {r};" for r in rot]
-    # $5 holds (scale of rows g, scale of rows g+8); ptxas folds the broadcasts into HMUL2 operand selects.
-    lines += ["mov.b32 {s0, s1}, $5;", "mov.b32 sa, {s0, s0};", "mov.b32 sb, {s1, s1};"]
+    lines = [".reg .b32 " + ", ".join([f"r{r}" for r in rot] + [f"o{o}" for o in range(4)] + ["m", "sa", "sb"]) + ";"]
+    lines += [f"shf.l.wrap.b32 r{r}, $8, $8, {r};" for r in rot]
+    # ptxas folds these broadcasts into the HMUL2 operand selects (.H0_H0): no instruction.
+    lines += ["mov.b32 sa, {$9, $9};", "mov.b32 sb, {$10, $10};"]
     for o, (rs, rm) in enumerate(WORD_ROTATIONS):
-        src_s = "$4" if rs == 0 else f"r{rs}"
-        src_m = "$4" if rm == 0 else f"r{rm}"
+        src_s = "$8" if rs == 0 else f"r{rs}"
+        src_m = "$8" if rm == 0 else f"r{rm}"
         if rs == rm:
-            lines.append(f"and.b32 $${o}, {src_s}, {SIGN_MASK | MAG_MASK:#010x};")
+            lines.append(f"and.b32 o{o}, {src_s}, {SIGN_MASK | MAG_MASK:#010x};")
         else:
-            lines.append(f"and.b32 m{o}, {src_m}, {MAG_MASK:#010x};")
-            lines.append(f"and.b32 $${o}, {src_s}, {SIGN_MASK:#010x};")
-            lines.append(f"or.b32 $${o}, $${o}, m{o};")
-        lines.append(f"mul.rn.bf16x2 $${o}, $${o}, {'sa' if o % 2 == 0 else 'sb'};")
-    return "{\n" + "\n".join(lines).replace("$$", "$") + "\n}"
+            lines.append(f"and.b32 m, {src_m}, {MAG_MASK:#010x};")
+            lines.append(f"and.b32 o{o}, {src_s}, {SIGN_MASK:#010x};")
+            lines.append(f"or.b32 o{o}, o{o}, m;")
+        lines.append(f"mul.rn.bf16x2 o{o}, o{o}, {'sa' if o % 2 == 0 else 'sb'};")
+        lines.append(f"mov.b32 {{${2 * o}, ${2 * o + 1}}}, o{o};")
+    return "{\n" + "\n".join(lines) + "\n}"
 
 
 DEQUANT_PTX = tl.constexpr(_ptx())
@@ -60,59 +62,41 @@ def _place(w, rs: tl.constexpr, rm: tl.constexpr):
 
 @triton.jit
 def _halves_times(o, scale):
-    """bf16x2 bits (uint32) -> (low, high) values as fp32, times scale (exact)."""
+    """bf16x2 bits (uint32) -> (low, high) bf16 values times scale (exact: fp32 product)."""
     lo = (o << 16).to(tl.float32, bitcast=True)
     hi = (o & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return lo * scale, hi * scale
+    return (lo * scale).to(tl.bfloat16), (hi * scale).to(tl.bfloat16)
 
 
 @triton.jit
-def _interleave4(a, b, c, d):
-    """[A, B, n] x 4 -> [A, B, 4n] with a, b, c, d as elements 0, 1, 2, 3 of each group."""
-    x = tl.join(tl.join(a, c), tl.join(b, d))
-    return tl.reshape(x, (a.shape[0], a.shape[1], a.shape[2] * 4))
-
-
-@triton.jit
-def dequant_e2m1_words(packed, scale, USE_ASM: tl.constexpr):
-    """packed: uint8 [A, B, 4n], n kernel-layout words (byte 4w + i = byte i of word w);
-    scale: bf16 of the same shape, element 4w + i = block scale (layout.py form) of the word's
-    rows g (i even) and g + 8 (i odd). Returns (r0, r1), bf16 [A, B, 4n] each: element 4w + i of
-    r0 is the weight (row half i // 2, K parity i % 2) at K offset 0 of the word, r1 the same at
-    K offset 8 - x 2^-ACC_SHIFT. USE_ASM: inline PTX (GPU), else plain Triton (interpreter)."""
+def dequant_e2m1_words(words, scale_lo, scale_hi, USE_ASM: tl.constexpr):
+    """words: int32 kernel-layout words (layout.py), any shape; scale_lo / scale_hi: bf16 block
+    scales (layout.py form) of each word's rows g and g + 8, same shape. Returns the 8 weights
+    of each word as bf16 tensors of that shape, x 2^-ACC_SHIFT, in the order
+    (j, h, p) = (K offset 8j, row half h, K parity p) with p fastest. One element per word, so
+    the result does not depend on how Triton orders registers. USE_ASM: inline PTX (GPU),
+    else plain Triton (interpreter), with identical values."""
     if USE_ASM:
-        r0, r1 = tl.inline_asm_elementwise(
-            DEQUANT_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        return tl.inline_asm_elementwise(
+            DEQUANT_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, scale_lo, scale_hi],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
         )
-        return r0, r1
     else:
-        A: tl.constexpr = packed.shape[0]
-        B: tl.constexpr = packed.shape[1]
-        n: tl.constexpr = packed.shape[2] // 4
-        b = tl.reshape(packed.to(tl.uint32), (A, B, n, 2, 2))
-        lo_pair, hi_pair = tl.split(b)  # byte index 2x + y: split y
-        b0, b2 = tl.split(lo_pair)
-        b1, b3 = tl.split(hi_pair)
-        w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
-        s = tl.reshape(scale.to(tl.float32), (A, B, n, 2, 2))
-        s_y0, s_y1 = tl.split(s)  # element 2x + y: (0, 2) and (1, 3)
-        sa, _ = tl.split(s_y0)  # element 0: rows g
-        sb, _ = tl.split(s_y1)  # element 1: rows g + 8
-        o0l, o0h = _halves_times(_place(w, _RS0, _RM0), sa)
-        o1l, o1h = _halves_times(_place(w, _RS1, _RM1), sb)
-        o2l, o2h = _halves_times(_place(w, _RS2, _RM2), sa)
-        o3l, o3h = _halves_times(_place(w, _RS3, _RM3), sb)
-        r0 = _interleave4(o0l, o0h, o1l, o1h)
-        r1 = _interleave4(o2l, o2h, o3l, o3h)
-        return r0.to(tl.bfloat16), r1.to(tl.bfloat16)
+        w = words.to(tl.uint32, bitcast=True)
+        sa = scale_lo.to(tl.float32)
+        sb = scale_hi.to(tl.float32)
+        e0, e1 = _halves_times(_place(w, _RS0, _RM0), sa)  # j 0, h 0
+        e2, e3 = _halves_times(_place(w, _RS1, _RM1), sb)  # j 0, h 1
+        e4, e5 = _halves_times(_place(w, _RS2, _RM2), sa)  # j 1, h 0
+        e6, e7 = _halves_times(_place(w, _RS3, _RM3), sb)  # j 1, h 1
+        return e0, e1, e2, e3, e4, e5, e6, e7
 
 
 @triton.jit
-def tile_e2m1_bf16(r0, r1, R: tl.constexpr, G: tl.constexpr, S: tl.constexpr):
-    """Dequantized words of R row tiles x G K tiles x S K steps (each [R, G, 128 S]) -> the
-    logical bf16 tile [16 R, 16 S G]: row 16 r + 8 h + g, K 64 q + 16 s + 8 j + 2 t + p."""
-    x = tl.join(r0, r1)  # [R, G, 128 S, 2 (j)]
-    x = tl.reshape(x, (R, G, 8, 4, S, 2, 2, 2))  # r q g t s h p j
-    x = tl.permute(x, (0, 5, 2, 1, 4, 7, 3, 6))  # r h g q s j t p
+def tile_e2m1_bf16(e0, e1, e2, e3, e4, e5, e6, e7, R: tl.constexpr, G: tl.constexpr, S: tl.constexpr):
+    """The 8 outputs of dequant_e2m1_words for words [R, G, 32 S] (lane 4g + t, K step s) ->
+    the logical bf16 tile [16 R, 16 S G]: row 16 r + 8 h + g, K 64 q + 16 s + 8 j + 2 t + p."""
+    x = tl.join(tl.join(tl.join(e0, e1), tl.join(e2, e3)), tl.join(tl.join(e4, e5), tl.join(e6, e7)))
+    x = tl.reshape(x, (R, G, 8, 4, S, 2, 2, 2))  # r q g t s p h j
+    x = tl.permute(x, (0, 6, 2, 1, 4, 7, 3, 5))  # r h g q s j t p
     return tl.reshape(x, (R * 16, G * S * 16))

@@ -69,20 +69,32 @@ def _tile_index(offs_m, offs_n, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _load_act_tile(a_ptr, rows, stride_m, stride_k, k0, K, row_ok, BLOCK_K: tl.constexpr):
-    """Activation columns k0 .. k0 + BLOCK_K of the given rows: [BM, BLOCK_K], zero outside."""
+def _load_act_tile(a_ptr, rows, stride_m, stride_k, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Activation columns k0 .. k0 + BLOCK_K of the given rows (in bounds: callers clamp padding
+    rows, whose results are never stored): [BM, BLOCK_K], zero past K unless EVEN_K."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = row_ok[:, None] & (offs_k < K)[None, :]
-    return tl.load(a_ptr + rows[:, None] * stride_m + offs_k[None, :] * stride_k, mask=mask, other=0.0)
+    ptrs = a_ptr + rows[:, None] * stride_m + offs_k[None, :] * stride_k
+    if EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(offs_k < K)[None, :], other=0.0)
 
 
 @triton.jit
-def _load_weight_tile(w_ptr, s_ptr, rt0, rt_end, k_tiles, k0,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+def _row_tiles(first, end, BLOCK_N: tl.constexpr):
+    """Row-tile indices first .. first + BLOCK_N/16, clamped below end: tiles past a matrix's
+    rows re-read its last tile (in bounds; those output columns are never stored)."""
+    return tl.minimum(first + tl.arange(0, BLOCK_N // 16), end - 1)
+
+
+@triton.jit
+def _load_weight_tile(w_ptr, s_ptr, rt, k_tiles, k0,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):
     """Dequantized weights bf16 [BLOCK_N, BLOCK_K] (x 2^-ACC_SHIFT) of a kernel-layout matrix
     (layout.py: [row tiles, k_tiles, 512] bytes, [row tiles, k_tiles, 64] bf16 scales): row
-    tiles rt0 .. rt0 + BLOCK_N/16 (those >= rt_end read as 0), K elements k0 .. k0 + BLOCK_K.
-    Each lane loads 16 contiguous bytes per K tile (4 bf16x2 MMA registers per K step)."""
+    tiles rt (int [BLOCK_N/16], see _row_tiles), K elements k0 .. k0 + BLOCK_K. Each lane loads
+    16 contiguous bytes per K tile (4 bf16x2 MMA registers per K step). No masks: K tiles past
+    the matrix are clamped to its last (EVEN_K False), their activations are zero."""
     R: tl.constexpr = BLOCK_N // 16
     if BLOCK_K >= 64:
         G: tl.constexpr = BLOCK_K // 64
@@ -92,19 +104,25 @@ def _load_weight_tile(w_ptr, s_ptr, rt0, rt_end, k_tiles, k0,
         G: tl.constexpr = 1
         S: tl.constexpr = BLOCK_K // 16
         s0 = (k0 % 64) // 16
-    rt = rt0 + tl.arange(0, R)
     kt = k0 // 64 + tl.arange(0, G)
-    tile = rt[:, None] * k_tiles + kt[None, :]
-    ok = ((rt < rt_end)[:, None] & (kt < k_tiles)[None, :])[:, :, None]
-    byte = tl.reshape(tl.arange(0, 32)[:, None] * 16 + s0 * 4 + tl.arange(0, 4 * S)[None, :], (128 * S,))
-    packed = tl.load(w_ptr + tile[:, :, None] * 512 + byte[None, None, :], mask=ok, other=0)
-    sidx = tl.reshape(tl.arange(0, 8)[:, None] * 8 + s0 * 2 + tl.arange(0, 2 * S)[None, :], (16 * S,))
-    scale = tl.load(s_ptr + tile[:, :, None] * 64 + sidx[None, None, :], mask=ok, other=0.0)
-    # Each word's 4 scale elements: (rows g, rows g + 8) twice; broadcast over the 4 lanes t.
-    scale = tl.broadcast_to(tl.reshape(scale, (R, G, 8, 1, S, 1, 2)), (R, G, 8, 4, S, 2, 2))
-    scale = tl.reshape(scale, (R, G, 128 * S))
-    r0, r1 = dequant_e2m1_words(packed, scale, USE_ASM)
-    return tile_e2m1_bf16(r0, r1, R, G, S)
+    if not EVEN_K:
+        kt = tl.minimum(kt, k_tiles - 1)
+    tile = (rt[:, None] * k_tiles + kt[None, :])[:, :, None]
+    if S == 4:  # whole tiles: 128 contiguous words (each lane's 4 words are 16 bytes)
+        word = tl.arange(0, 128)
+        sidx = tl.arange(0, 64)
+    else:
+        word = tl.reshape(tl.arange(0, 32)[:, None] * 4 + s0 + tl.arange(0, S)[None, :], (32 * S,))
+        sidx = tl.reshape(tl.arange(0, 8)[:, None] * 8 + s0 * 2 + tl.arange(0, 2 * S)[None, :], (16 * S,))
+    words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + tile * 128 + word[None, None, :])
+    scale = tl.load(s_ptr + tile * 64 + sidx[None, None, :])
+    # Per word: the scales of its rows g and g + 8 at its K step, shared by the 4 lanes t.
+    scale = tl.broadcast_to(tl.reshape(scale, (R, G, 8, 1, S, 2)), (R, G, 8, 4, S, 2))
+    s_lo, s_hi = tl.split(scale)
+    s_lo = tl.reshape(s_lo, (R, G, 32 * S))
+    s_hi = tl.reshape(s_hi, (R, G, 32 * S))
+    e0, e1, e2, e3, e4, e5, e6, e7 = dequant_e2m1_words(words, s_lo, s_hi, USE_ASM)
+    return tile_e2m1_bf16(e0, e1, e2, e3, e4, e5, e6, e7, R, G, S)
 
 
 @triton.jit
@@ -130,6 +148,7 @@ def gemm1_gated_kernel(
     ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """GEMM1 + gated activation for one (row block, column tile, K slice).
 
@@ -150,14 +169,14 @@ def gemm1_gated_kernel(
     offs_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
     row_ok = pair < num_pairs
-    token = pair // top_k
+    token = tl.minimum(pair // top_k, num_pairs // top_k - 1)  # padding rows: any valid row
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
 
     # Row tiles (16 rows) of this expert's gate rows n and up rows I + n in w13 [E * 2I/16, ...].
     rt_expert = expert * (2 * I // 16)
-    rt_gate = rt_expert + pid_n * (BLOCK_N // 16)
-    rt_up = rt_gate + I // 16
+    rt_gate = _row_tiles(rt_expert + pid_n * (BLOCK_N // 16), rt_expert + I // 16, BLOCK_N)
+    rt_up = _row_tiles(rt_expert + I // 16 + pid_n * (BLOCK_N // 16), rt_expert + 2 * I // 16, BLOCK_N)
 
     k_steps = tl.cdiv(H, BLOCK_K)
     steps_per_split = tl.cdiv(k_steps, SPLIT_K)
@@ -173,10 +192,10 @@ def gemm1_gated_kernel(
 
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
-        x = _load_act_tile(x_ptr, token, stride_xm, stride_xk, k0, H, row_ok, BLOCK_K)
-        wg = _load_weight_tile(w_ptr, ws_ptr, rt_gate, rt_expert + I // 16, k_tiles, k0, BLOCK_N, BLOCK_K, USE_ASM)
+        x = _load_act_tile(x_ptr, token, stride_xm, stride_xk, k0, H, BLOCK_K, EVEN_K)
+        wg = _load_weight_tile(w_ptr, ws_ptr, rt_gate, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM)
         acc_g = _mma(acc_g, x, wg, SWAP_AB, DOT_DTYPE, PRECISION)
-        wu = _load_weight_tile(w_ptr, ws_ptr, rt_up, rt_expert + 2 * I // 16, k_tiles, k0, BLOCK_N, BLOCK_K, USE_ASM)
+        wu = _load_weight_tile(w_ptr, ws_ptr, rt_up, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM)
         acc_u = _mma(acc_u, x, wu, SWAP_AB, DOT_DTYPE, PRECISION)
 
     acc_g = acc_g * (tl.load(s2_ptr + expert * 2) * _ACC_SCALE)
@@ -230,7 +249,7 @@ def gemm2_combine_kernel(
     num_pairs, top_k, H, I, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
-    USE_ATOMIC: tl.constexpr, ROW_IS_TOKEN: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_ATOMIC: tl.constexpr, ROW_IS_TOKEN: tl.constexpr,
 ):
     """GEMM2 (intermediate [max_padded, I] x w2^T) x scale_2 x routing weight x scale.
 
@@ -252,8 +271,7 @@ def gemm2_combine_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
 
-    rt0 = expert * (H // 16) + pid_n * (BLOCK_N // 16)
-    rt_end = (expert + 1) * (H // 16)
+    rt = _row_tiles(expert * (H // 16) + pid_n * (BLOCK_N // 16), (expert + 1) * (H // 16), BLOCK_N)
 
     k_steps = tl.cdiv(I, BLOCK_K)
     steps_per_split = tl.cdiv(k_steps, SPLIT_K)
@@ -266,8 +284,8 @@ def gemm2_combine_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
-        a = _load_act_tile(a_ptr, offs_m, I, 1, k0, I, row_ok, BLOCK_K)
-        w = _load_weight_tile(w_ptr, ws_ptr, rt0, rt_end, k_tiles, k0, BLOCK_N, BLOCK_K, USE_ASM)
+        a = _load_act_tile(a_ptr, offs_m, I, 1, k0, I, BLOCK_K, EVEN_K)  # padding rows: never stored
+        w = _load_weight_tile(w_ptr, ws_ptr, rt, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM)
         acc = _mma(acc, a, w, SWAP_AB, DOT_DTYPE, PRECISION)
 
     routing_w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
