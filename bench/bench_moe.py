@@ -13,7 +13,7 @@ Per point (shape, M):
             HBM, as in serving where other layers evict them); median of many. Our kernel is
             timed by CUDA-graph replay (how SGLang decodes) when capture works, else eagerly;
             the eager time is reported too.
-  bytes     distinct LOCAL experts touched x (w13 + w2 packed nibbles + e4m3 scales + scale_2)
+  bytes     distinct LOCAL experts touched x (w13 + w2 packed nibbles + bf16 block scales + scale_2)
             + activations in and out (bf16) + topk ids/weights.
   flops     2 * (valid routes) * (2I*H + I*H); valid routes = M*top_k on tp16, the local ones on ep16.
   %         of the H200's 4.8 TB/s (spec) and ~790 TFLOP/s bf16 dense; the ceilings measured on
@@ -276,12 +276,20 @@ def probe_marlin() -> str:
 
 
 def bytes_moved(shape: BenchShape, M: int, distinct: int, act_bytes: int = 2) -> dict:
+    """Bytes one call reads and writes. "nvfp4": what the kernel-native layout reads (nibbles,
+    bf16 block scales: 2 bytes per 16 weights, scale_2); "modelopt_nvfp4": the same weights with
+    E4M3 scales (1 byte per 16), what marlin reads; "bf16": the dequantized baseline."""
     H, I = shape.H, shape.I
-    w13 = 2 * I * H // 2 + 2 * I * H // 16 + 2 * 4
-    w2 = H * I // 2 + H * I // 16 + 4
+
+    def expert_bytes(scale_bytes: int) -> int:
+        w13 = 2 * I * H // 2 + scale_bytes * 2 * I * H // 16 + 2 * 4
+        w2 = H * I // 2 + scale_bytes * H * I // 16 + 4
+        return w13 + w2
+
     acts = 2 * M * H * act_bytes + M * shape.top_k * 8
     return {
-        "nvfp4": distinct * (w13 + w2) + acts,
+        "nvfp4": distinct * expert_bytes(2) + acts,
+        "modelopt_nvfp4": distinct * expert_bytes(1) + acts,
         "bf16": distinct * 3 * I * H * 2 + acts,
     }
 
@@ -336,7 +344,7 @@ def main(argv=None) -> int:
         "method": "CUDA events, L2 flushed (256 MiB memset) before each call, median; ours by CUDA-graph "
         "replay when capture works (time_us), eager too (eager_us)" if not cpu else "interpreter, wall clock",
         "definitions": {
-            "bytes": "distinct local experts touched x (w13 + w2 nibbles + e4m3 scales + scale_2) + activations "
+            "bytes": "distinct local experts touched x (w13 + w2 nibbles + bf16 block scales (kernel layout) + scale_2) + activations "
                      "in and out + topk ids/weights",
             "flops": "2 x valid_routes x (2I*H + I*H); valid_routes = pairs with a local expert id (M*top_k on "
                      "tp16; about M on ep16, the other ranks' routes are not this rank's work)",
@@ -411,7 +419,7 @@ def main(argv=None) -> int:
                 nbytes = bytes_moved(shape, M, distinct, act_bytes=x.element_size())
                 flops = 2 * routes * 3 * shape.I * shape.H
                 cfg = get_moe_config(shape.E, shape.H, shape.I, shape.top_k, M, device_name=device_name)
-                point.update(valid_routes=routes, distinct_experts=distinct, bytes=nbytes["nvfp4"], flops=flops,
+                point.update(valid_routes=routes, distinct_experts=distinct, bytes=nbytes["nvfp4"], bytes_modelopt=nbytes["modelopt_nvfp4"], flops=flops,
                              config=cfg.to_dict())  # fmt: skip
                 out = torch.empty(M, shape.H, dtype=dtype, device=device)
                 ours = lambda: fused_moe_nvfp4(x, weights, tw, ids, out=out)  # noqa: E731

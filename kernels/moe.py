@@ -125,7 +125,7 @@ def fused_moe_nvfp4(
     if config.split_k1 > 1:
         act_bn = min(64, _next_pow2(I))
         _k.gated_activation_kernel[(max_blocks, _cdiv(I, act_bn))](
-            part, inter, routing.sorted_pair_ids, routing.num_padded, num_pairs, I, max_padded,
+            part, inter, routing.num_padded, I, max_padded,
             beta, lb,
             ACT=act, HAS_LINEAR_BETA=has_lb, SPLIT_K=config.split_k1,
             BLOCK_M=config.block_m, BLOCK_N=act_bn,

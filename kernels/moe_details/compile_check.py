@@ -120,7 +120,7 @@ def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E:
                  num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I, scale=1.0),
             dict(USE_ATOMIC=sk > 1, ROW_IS_TOKEN=False, **common), num_warps=nw)
     run("gated_activation", K.gated_activation_kernel,
-        dict(part_ptr="*fp32", out_ptr="*bf16", sorted_ids_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, I=I,
+        dict(part_ptr="*fp32", out_ptr="*bf16", num_padded_ptr="*i32", I=I,
              max_padded=256, beta=4.0, linear_beta=25.0),
         dict(ACT=0, HAS_LINEAR_BETA=True, SPLIT_K=4, BLOCK_M=16, BLOCK_N=64), num_stages=1)
     run("combine_topk", K.combine_topk_kernel,

@@ -202,8 +202,10 @@ def gemm1_gated_kernel(
     acc_u = acc_u * (tl.load(s2_ptr + expert * 2 + 1) * _ACC_SCALE)
 
     m_idx, n_idx = _tile_index(offs_m.to(tl.int64), offs_n, SWAP_AB)
-    ok_m, ok_n = _tile_index(row_ok, n_ok, SWAP_AB)
-    mask = ok_m & ok_n  # padding rows are never written (nor read: GEMM2 masks them too)
+    ok_m, ok_n = _tile_index(offs_m >= 0, n_ok, SWAP_AB)
+    # Padding rows are written too (from a clamped real token: finite): GEMM2 reads whole
+    # blocks unmasked and drops those rows only at its store.
+    mask = ok_m & ok_n
     if SPLIT_K == 1:
         y = _gated_act(acc_g, acc_u, beta, linear_beta, ACT, HAS_LINEAR_BETA)
         tl.store(out_ptr + m_idx * I + n_idx, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -215,7 +217,7 @@ def gemm1_gated_kernel(
 
 @triton.jit
 def gated_activation_kernel(
-    part_ptr, out_ptr, sorted_ids_ptr, num_padded_ptr, num_pairs, I, max_padded,
+    part_ptr, out_ptr, num_padded_ptr, I, max_padded,
     beta, linear_beta,
     ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -228,8 +230,7 @@ def gated_activation_kernel(
         return
     offs_m = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = tl.load(sorted_ids_ptr + offs_m) < num_pairs
-    mask = row_ok[:, None] & (offs_n[None, :] < I)
+    mask = (offs_m >= 0)[:, None] & (offs_n[None, :] < I)  # padding rows too, as GEMM1 does
     base = part_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
     g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

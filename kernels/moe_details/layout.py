@@ -110,13 +110,13 @@ def _word_tables(device) -> torch.Tensor:
     return (bits[None] << _bit_targets()[:, None, :]).sum(-1).to(device)
 
 
-# Leading (expert) matrices are converted a bounded number of elements at a time: the integer
-# temporaries are ~32 bytes per weight, which a whole 56-expert layer could not afford.
-_CHUNK_ELEMENTS = 1 << 22
+# Leading (expert) matrices are converted a bounded number of weights at a time: the integer
+# temporaries take ~24 bytes per weight, which a whole 56-expert layer could not afford.
+_CHUNK_WEIGHTS = {"cpu": 1 << 22, "cuda": 1 << 24}
 
 
-def _chunks(n_lead: int, per_matrix: int):
-    step = max(1, _CHUNK_ELEMENTS // max(per_matrix, 1))
+def _chunks(n_lead: int, per_matrix: int, device: torch.device):
+    step = max(1, _CHUNK_WEIGHTS.get(device.type, 1 << 22) // max(per_matrix, 1))
     for lo in range(0, n_lead, step):
         yield lo, min(lo + step, n_lead)
 
@@ -133,7 +133,7 @@ def pack_e2m1_tiles(packed: torch.Tensor) -> torch.Tensor:
     flat = packed.reshape(-1, rows, half_k)
     out = torch.empty(flat.shape[0], *lay.packed_shape, dtype=torch.uint8, device=packed.device)
     table = _word_tables(packed.device)
-    for lo, hi in _chunks(flat.shape[0], rows * half_k * 2):
+    for lo, hi in _chunks(flat.shape[0], rows * half_k * 2, packed.device):
         codes = formats.unpack_e2m1(flat[lo:hi])
         if lay.k_padded != lay.k:
             codes = torch.nn.functional.pad(codes, (0, lay.k_padded - lay.k))
@@ -157,7 +157,7 @@ def unpack_e2m1_tiles(tiles: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.empty(flat.shape[0], lay.rows, k // 2, dtype=torch.uint8, device=tiles.device)
     targets = _bit_targets().to(tiles.device)
     weights = (1 << torch.arange(4, device=tiles.device))
-    for lo, hi in _chunks(flat.shape[0], R * KT * TILE_BYTES * 2):
+    for lo, hi in _chunks(flat.shape[0], R * KT * TILE_BYTES * 2, tiles.device):
         b = flat[lo:hi].reshape(-1, 4).long()
         word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
         codes = (((word[:, None, None] >> targets) & 1) * weights).sum(-1)  # words x 8
@@ -239,3 +239,13 @@ def pack_e8m0_scale_tiles(e8m0: torch.Tensor, scale_2_exp: torch.Tensor) -> torc
     if pad:
         v = torch.nn.functional.pad(v, (0, pad))
     return _tile_scales(v, lay).to(torch.bfloat16)
+
+
+def dequantize_tiles(tiles: torch.Tensor, scale_tiles: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain-torch value of kernel-layout weights without scale_2: uint8 [..., R, KT, 512] and
+    bf16 [..., R, KT, 64] -> float32 [..., 16R, k] = e2m1 x block scale (exact). What the
+    kernels multiply, before the fp32 scale_2 x 2^ACC_SHIFT on the accumulator."""
+    codes = formats.unpack_e2m1(unpack_e2m1_tiles(tiles, k))
+    lay = FP4TileLayout(tiles.shape[-3] * TILE_ROWS, k)
+    scale = _untile_scales(scale_tiles.float() / _BF16_SCALE_FACTOR, lay)[..., : k // formats.NVFP4_BLOCK]
+    return formats.e2m1_to_float(codes) * scale.repeat_interleave(formats.NVFP4_BLOCK, dim=-1)

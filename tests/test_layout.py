@@ -1,0 +1,177 @@
+"""The kernel-native FP4 layout (kernels/moe_details/layout.py): exact round trips, preparation
+from ModelOpt NVFP4 and from MXFP4 tensors, and equality with the closed-form cast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3nvfp4.kernels import NVFP4MoEWeights, formats, fused_moe_nvfp4
+from k3nvfp4.kernels.cast import MXFP4Weight, cast_expert
+from k3nvfp4.kernels.moe_details import layout
+from k3nvfp4.kernels.testing import random_nvfp4_moe_weights, random_routing
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _nibbles(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (48, 40), (3, 32, 88), (2, 2, 64, 1792)])
+def test_nibble_tiles_round_trip_bit_for_bit(shape):
+    packed = _nibbles(*shape)
+    tiles = layout.pack_e2m1_tiles(packed)
+    rows, k = shape[-2], 2 * shape[-1]
+    assert tiles.shape == (*shape[:-2], rows // 16, -(-k // 64), 512)
+    assert torch.equal(layout.unpack_e2m1_tiles(tiles, k), packed)
+
+
+def test_layout_bits_decode_each_code_in_its_mma_register():
+    """Hand check of the bit placement: a tile with one nonzero code at (row, k) puts exactly the
+    bits of that code into the word of lane 4 (row % 8) + (k % 8) // 2, K step (k % 64) // 16,
+    where rotl(word, r) & 0x81C081C0 (or the split form) yields the bf16 of code x 2^-126."""
+    for row, kk, code in [(0, 0, 7), (9, 3, 0xA), (15, 63, 1), (4, 22, 0xF), (12, 45, 8)]:
+        codes = torch.zeros(16, 64, dtype=torch.uint8)
+        codes[row, kk] = code
+        tiles = layout.pack_e2m1_tiles(formats.pack_e2m1(codes))
+        words = tiles.reshape(128, 4).long()
+        words = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
+        lane, step = 4 * (row % 8) + (kk % 8) // 2, (kk % 64) // 16
+        nonzero = torch.nonzero(words).flatten().tolist()
+        assert nonzero == ([lane * 4 + step] if code not in (0,) else [])
+        w = int(words[lane * 4 + step])
+        h, j, p = row // 8, (kk % 16) // 8, kk % 2
+        rs, rm = layout.WORD_ROTATIONS[2 * j + h]
+        rot = lambda x, r: ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF if r else x  # noqa: E731
+        reg = (rot(w, rs) & layout.SIGN_MASK) | (rot(w, rm) & layout.MAG_MASK)
+        half = (reg >> (16 * p)) & 0xFFFF
+        bf16 = torch.tensor([half << 16], dtype=torch.int64).to(torch.int32).view(torch.float32)
+        expected = formats.e2m1_to_float(torch.tensor([code], dtype=torch.uint8)) * 2.0**-126
+        assert torch.equal(bf16, expected) and torch.signbit(bf16) == torch.signbit(expected)
+        assert (reg >> (16 * (1 - p))) & 0xFFFF == 0  # the other half is another element: zero here
+
+
+def test_scale_tiles_round_trip_every_finite_e4m3():
+    finite = torch.tensor([b for b in range(256) if (b & 0x7F) != 0x7F], dtype=torch.uint8)
+    scale = finite[torch.arange(32 * 8) % finite.numel()].reshape(32, 8).view(torch.float8_e4m3fn)
+    tiles = layout.pack_e4m3_scale_tiles(scale)
+    assert tiles.dtype == torch.bfloat16 and tiles.shape == (2, 2, 64)
+    # exactly e4m3 x 2^119 in bf16 (subnormals 2^-9.. and 448 included)
+    assert torch.equal(tiles.float().flatten().sort().values,
+                       (scale.float() * 2.0**119).flatten().sort().values)  # fmt: skip
+    assert torch.equal(layout.unpack_e4m3_scale_tiles(tiles, 128).view(torch.uint8), scale.view(torch.uint8))
+
+
+def test_layout_errors_name_the_tensor():
+    with pytest.raises(ValueError, match="rows=24 must be a multiple of 16"):
+        layout.pack_e2m1_tiles(_nibbles(24, 32))
+    nan = torch.full((16, 4), 0x7F, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="NaN"):
+        layout.pack_e4m3_scale_tiles(nan)
+    w = random_nvfp4_moe_weights(2, 32, 16).to_modelopt()
+    bad = w.w2_scale.clone().view(torch.uint8)
+    bad[0, 0, 0] = 0xFF
+    with pytest.raises(ValueError, match="w2_scale: .*NaN"):
+        NVFP4MoEWeights.from_modelopt(w.w13, w.w13_scale, w.w13_scale_2, w.w2, bad.view(torch.float8_e4m3fn), w.w2_scale_2)
+
+
+@pytest.mark.parametrize("H,I", [(32, 16), (48, 80), (192, 64)])
+def test_from_modelopt_to_modelopt_round_trip(H, I):
+    ref = random_nvfp4_moe_weights(3, H, I, seed=H, block_scales="uniform")
+    canon = ref.to_modelopt()
+    again = NVFP4MoEWeights.from_modelopt(*canon)
+    assert again.hidden_size == H and again.intermediate_size == I
+    for a, b in zip(canon, again.to_modelopt()):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                                                  b.view(torch.uint8) if b.dtype != torch.float32 else b)  # fmt: skip
+    # memory: nibbles once (K padded to 64), scales as bf16 (one byte more per 16 weights)
+    E = 3
+    assert again.w13.numel() == E * 2 * I * (-(-H // 64) * 64) // 2
+    assert again.w13_scale.numel() * 2 == 2 * E * 2 * I * (-(-H // 64) * 64) // 16
+
+
+def _mxfp4_expert(H: int, I: int, e8m0_lo: int, e8m0_hi: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+
+    def w(rows, cols, name):
+        return MXFP4Weight(torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
+                           torch.randint(e8m0_lo, e8m0_hi + 1, (rows, cols // 32), dtype=torch.uint8, generator=g), name)  # fmt: skip
+
+    return w(I, H, "w1"), w(I, H, "w3"), w(H, I, "w2")
+
+
+def _from_cast(experts):
+    casts = [cast_expert(*e, backend="torch") for e in experts]
+    w13 = torch.stack([torch.cat([c[0].packed, c[1].packed]) for c in casts])
+    s13 = torch.stack([torch.cat([c[0].scale, c[1].scale]) for c in casts])
+    s13_2 = torch.stack([torch.stack([c[0].scale_2, c[1].scale_2]) for c in casts])
+    w2 = torch.stack([c[2].packed for c in casts])
+    s2 = torch.stack([c[2].scale for c in casts])
+    s2_2 = torch.stack([c[2].scale_2 for c in casts])
+    return NVFP4MoEWeights.from_modelopt(w13, s13, s13_2, w2, s2, s2_2), [c[3] for c in casts]
+
+
+def _from_mxfp4(experts):
+    return NVFP4MoEWeights.from_mxfp4(
+        torch.stack([torch.cat([e[0].packed, e[1].packed]) for e in experts]),
+        torch.stack([torch.cat([e[0].scale, e[1].scale]) for e in experts]),
+        torch.stack([e[2].packed for e in experts]),
+        torch.stack([e[2].scale for e in experts]),
+    )
+
+
+def _values(w: NVFP4MoEWeights):
+    """float64 dequantized w13 [E, 2I, H] and w2 [E, H, I] of the kernel layout (with scale_2)."""
+    v13 = layout.dequantize_tiles(w.w13, w.w13_scale, w.hidden_size).double()
+    I = w.intermediate_size
+    v13[:, :I] *= w.w13_scale_2[:, 0, None, None].double()
+    v13[:, I:] *= w.w13_scale_2[:, 1, None, None].double()
+    v2 = layout.dequantize_tiles(w.w2, w.w2_scale, I).double() * w.w2_scale_2[:, None, None].double()
+    return v13, v2
+
+
+def _mx_values(packed, e8m0):
+    k = torch.exp2(e8m0.double() - 127).repeat_interleave(32, dim=-1)
+    return formats.e2m1_to_float(formats.unpack_e2m1(packed)).double() * k
+
+
+def test_from_mxfp4_equals_the_cast_and_the_mxfp4_values():
+    """In range (k_max - k <= 17) the kernel layout from MXFP4 tensors has the cast's NVFP4
+    values bit for bit; beyond that (30 binades here) it still holds the MXFP4 values exactly,
+    where the cast had to re-quantize."""
+    H, I = 96, 64
+    narrow = [_mxfp4_expert(H, I, 120, 134, seed=s) for s in range(3)]
+    wide = [_mxfp4_expert(H, I, 100, 130, seed=10 + s) for s in range(2)]
+    for experts, in_range in ((narrow, True), (wide, False)):
+        mx = _from_mxfp4(experts)
+        cast, stats = _from_cast(experts)
+        assert all(st.all_exact for st in stats) == in_range
+        m13, m2 = _values(mx)
+        c13, c2 = _values(cast)
+        t13 = torch.stack([torch.cat([_mx_values(e[0].packed, e[0].scale), _mx_values(e[1].packed, e[1].scale)]) for e in experts])
+        t2 = torch.stack([_mx_values(e[2].packed, e[2].scale) for e in experts])
+        assert torch.equal(m13, t13) and torch.equal(m2, t2)  # MXFP4 values, every block
+        if in_range:
+            assert torch.equal(m13, c13) and torch.equal(m2, c2)
+            assert torch.equal(mx.w13, cast.w13) and torch.equal(mx.w13_scale, cast.w13_scale)
+            assert torch.equal(mx.w13_scale_2, cast.w13_scale_2) and torch.equal(mx.w2_scale_2, cast.w2_scale_2)
+        else:
+            assert not torch.equal(m13, c13)
+
+
+def test_from_mxfp4_runs_the_kernels_like_the_cast():
+    """fused_moe_nvfp4 on weights prepared from MXFP4 and from the cast's NVFP4: equal outputs."""
+    H, I = 64, 32
+    experts = [_mxfp4_expert(H, I, 122, 130, seed=s) for s in range(4)]
+    mx, cast = _from_mxfp4(experts).to(DEV), _from_cast(experts)[0].to(DEV)
+    tw, ids = random_routing(5, 4, 2, device=DEV, seed=1)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(2)).to(DEV) * 2.0**-6
+    assert torch.equal(fused_moe_nvfp4(x, mx, tw, ids), fused_moe_nvfp4(x, cast, tw, ids))
+
+
+def test_from_mxfp4_refuses_nan_exponents():
+    experts = [_mxfp4_expert(64, 32, 120, 130, seed=0)]
+    experts[0][2].scale[1, 0] = 255
+    with pytest.raises(ValueError, match="w2_e8m0: holds 255"):
+        _from_mxfp4(experts)
