@@ -12,14 +12,16 @@
 #   2. tests_gpu pytest -m gpu (GPU tests of the suite; files that need sglang fail to collect: recorded)
 #   3. tune_tp16 / 4. tune_ep16   k3nvfp4-tune on the K3 TP16 / EP16 shards, small space, time-boxed
 #   5. bench     bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR)
-#   6. tests_kernels  the kernels' CPU-suite files, on CUDA tensors (no interpreter there)
-# Worst case (every step at its limit) about 7.5 minutes; typically less.
+#   6. sass      bench/sass_report.py for the installed Triton (offline compile, no GPU needed): the static
+#                issue-bound ceiling of each point, put beside the measured bandwidth in summary.json
+#   7. tests_kernels  the kernels' CPU-suite files, on CUDA tensors (no interpreter there)
+# Worst case (every step at its limit) about 8.5 minutes; typically less.
 # Writes under $OUT (default ./gpu_out): summary.json (each step's exit status and time, test counts,
 # headline figures), gpu_check.log (all output), moe-<device>.json/.png, tuned_configs.json
 # ({config file name: content}; names hold '=' and ',', which the device tool does not bring back),
 # extras.tgz (per-step logs, junit XML, tuner reports, the tuned JSON files under their real names).
 # Exit status: 0 all steps passed, 1 some step failed, 3 no GPU (after the import check).
-# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH.
+# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH T_SASS.
 set -u
 set -o pipefail
 
@@ -46,6 +48,7 @@ T_TESTS_GPU=${T_TESTS_GPU:-75}
 T_TESTS_KERNELS=${T_TESTS_KERNELS:-60}
 T_TUNE=${T_TUNE:-60}
 T_BENCH=${T_BENCH:-150}
+T_SASS=${T_SASS:-60}
 T0=$(date +%s)
 
 log() { echo "$*" | tee -a "$LOG"; }
@@ -112,6 +115,17 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
         head.append({"shape": pt["shape"], "M": pt["M"], "us": round(o.get("time_us", float("nan")), 1),
                      "pct_bw": round(o.get("pct_bw", float("nan")), 1), "TFLOPs": round(o.get("TFLOPs", float("nan")), 1),
                      "x_bf16": round(pt.get("speedup_vs_bf16", float("nan")), 2), "error": pt.get("error")})
+# static issue-bound ceiling (sass_report, same configs) beside the measured bandwidth
+sass_path = os.path.join(out, "sass-sm90.json")
+if os.path.exists(sass_path):
+    rows = json.load(open(sass_path)).get("rows", [])
+    ceil = {}
+    for r in rows:
+        if "hbm_ceiling_pct" in r:
+            key = (r["shape"], r["M"])
+            ceil[key] = min(ceil.get(key, 1e9), r["hbm_ceiling_pct"])
+    for h in head:
+        h["static_ceiling_pct"] = ceil.get((h["shape"], h["M"]))
 summary["bench"] = head
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print("\n==== gpu_check summary (" + status + f", {elapsed}s) ====")
@@ -121,6 +135,7 @@ for k, v in summary["tests"].items():
     print(f"pytest {k}: {v}")
 for h in head:
     print(f"{h['shape']:<5} M={h['M']:>6} {h['us']:>9} us {h['pct_bw']:>5}% bw {h['TFLOPs']:>6} TFLOP/s x{h['x_bf16']} vs bf16"
+          + (f" (static ceiling {h['static_ceiling_pct']}%)" if h.get("static_ceiling_pct") else "")
           + (f"  ERROR {h['error']}" if h["error"] else ""))
 for t in summary.get("targets", []):
     print(f"target {t['target']}: {t['verdict']} ({t['measured']})")
@@ -164,9 +179,10 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,c
 TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --E 896 --H 3584 --I 192 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_tp16.json --no-progress"
 TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --E 56 --global-experts 896 --H 3584 --I 3072 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
 BENCH="$PY bench/bench_moe.py --out-dir $OUT --time-budget $((T_BENCH - 40))"
+SASS="$PY -P bench/sass_report.py --no-peers --out $OUT/sass-sm90.json"
 # CPU-suite files of the kernels: on a GPU machine they run on CUDA tensors (no interpreter there).
 KERNEL_TESTS=$(ls tests/test_tune.py tests/test_moe_config.py tests/test_routing.py tests/test_moe.py \
-    tests/test_formats.py tests/test_cast.py tests/test_cast_triton.py tests/test_moe_checkpoint.py 2>/dev/null | tr '\n' ' ')
+    tests/test_layout.py tests/test_formats.py tests/test_cast.py tests/test_cast_triton.py tests/test_moe_checkpoint.py 2>/dev/null | tr '\n' ' ')
 # Files holding GPU tests (marker gpu); those that import sglang fail to collect there: recorded.
 GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py 2>/dev/null | tr '\n' ' ')
 
@@ -175,6 +191,7 @@ if [ "$REHEARSAL" = 1 ]; then
     TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --device cpu --E 4 --H 48 --I 32 --top-k 2 --batch-sizes 1,3 --space tiny --iters 1 --out-dir $WORK/configs --report $WORK/reports/tune_tp16.json --no-progress"
     TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --device cpu --E 4 --global-experts 16 --H 48 --I 32 --top-k 4 --batch-sizes 2 --space tiny --iters 1 --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
     BENCH="$PY bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --m-list 1,8 --quick --out-dir $OUT"
+    SASS="$PY -P bench/sass_report.py --no-peers --shapes tp16 --m-list 1 --out $OUT/sass-sm90.json"
     KERNEL_TESTS="tests/test_tune.py"
 fi
 if [ "$DRY_RUN" = 1 ]; then
@@ -185,6 +202,7 @@ if [ "$DRY_RUN" = 1 ]; then
     log "  tune_tp16     ($T_TUNE s): $TUNE_TP"
     log "  tune_ep16     ($T_TUNE s): $TUNE_EP"
     log "  bench         ($T_BENCH s): K3NVFP4_MOE_CONFIG_DIR=$WORK/configs $BENCH"
+    log "  sass          ($T_SASS s): $SASS"
     finish dry_run 0
 fi
 if [ "$REHEARSAL" = 0 ] && [ "$("$PY" -P -c 'import torch; print(torch.cuda.is_available())')" != True ]; then
@@ -210,6 +228,10 @@ step tune_ep16 "$T_TUNE" $TUNE_EP
 export K3NVFP4_MOE_CONFIG_DIR=$WORK/configs
 # shellcheck disable=SC2086
 step bench "$T_BENCH" $BENCH
+
+# ---- 6. static SASS figures of the configs just benchmarked (installed Triton; offline compile) ---
+# shellcheck disable=SC2086
+step sass "$T_SASS" env -u TRITON_INTERPRET $SASS
 
 # ---- 7. the kernels' CPU-suite files, on the GPU (last: the least unique information) ----------
 if [ -n "$KERNEL_TESTS" ]; then

@@ -85,5 +85,8 @@ def test_shipped_decode_configs_meet_the_budget_on_sm90(tmp_path):
         assert r["local_bytes"] == 0 and r["local_memory_ops_in_loop"] == 0, r
         assert r["warp_instr_per_weight"] <= 0.10, r
         assert r["family_mix"].get("convert", 0) == 0, r  # no I2F/F2F in the dequant
-        assert r["opcode_mix"].get("HMUL2.BF16_V2", 0) > 0, r  # one mul.bf16x2 per two weights
+        words = r["weights_per_iteration"] // r["num_warps"] // 32 // 8  # per thread: 8 weights a word
+        assert r["family_mix"]["f16x2"] == 4 * words, r  # one bf16x2 scale product per two weights
+        assert r["opcode_mix"].get("SHF.L.W.U32.HI", 0) == 5 * words, r  # the 5 rotations per word
+        assert r["opcode_mix"].get("PRMT", 0) == 0, r  # no byte shuffles
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -2,7 +2,7 @@
 block scales -> bf16 weights x 2^-ACC_SHIFT, exact.
 
 Per 32-bit word (8 weights): 5 rotations + 6 logic ops place the E2M1 bits into four bf16x2
-registers, and 4 ``mul.bf16x2`` apply the block scales (2^126 compensation folded in by
+registers, and 4 ``fma.rn.bf16x2`` (x scale + -0) apply the block scales (2^126 compensation folded in by
 layout.py). On a GPU this is inline PTX; in Triton's CPU interpreter (no inline asm) the same
 bits are computed with plain integer ops and the product in fp32, which is exact, so both paths
 give identical values. ``tile_e2m1_bf16`` turns the dequantized words back into a logical
@@ -22,10 +22,10 @@ def _ptx() -> str:
     """Operands: $0..$7 the 8 bf16 results (output o = 2j + h of the word, low half first),
     $8 the word, $9 / $10 the bf16 block scales of rows g / g + 8."""
     rot = sorted({r for pair in WORD_ROTATIONS for r in pair if r})
-    lines = [".reg .b32 " + ", ".join([f"r{r}" for r in rot] + [f"o{o}" for o in range(4)] + ["m", "sa", "sb"]) + ";"]
+    lines = [".reg .b32 " + ", ".join([f"r{r}" for r in rot] + [f"o{o}" for o in range(4)] + ["m", "sa", "sb", "nz"]) + ";"]
     lines += [f"shf.l.wrap.b32 r{r}, $8, $8, {r};" for r in rot]
-    # ptxas folds these broadcasts into the HMUL2 operand selects (.H0_H0): no instruction.
-    lines += ["mov.b32 sa, {$9, $9};", "mov.b32 sb, {$10, $10};"]
+    # ptxas folds these broadcasts into the HFMA2/HMUL2 operand selects (.H0_H0): no instruction.
+    lines += ["mov.b32 sa, {$9, $9};", "mov.b32 sb, {$10, $10};", "mov.b32 nz, 0x80008000;"]
     for o, (rs, rm) in enumerate(WORD_ROTATIONS):
         src_s = "$8" if rs == 0 else f"r{rs}"
         src_m = "$8" if rm == 0 else f"r{rm}"
@@ -35,7 +35,9 @@ def _ptx() -> str:
             lines.append(f"and.b32 m, {src_m}, {MAG_MASK:#010x};")
             lines.append(f"and.b32 o{o}, {src_s}, {SIGN_MASK:#010x};")
             lines.append(f"or.b32 o{o}, o{o}, m;")
-        lines.append(f"mul.rn.bf16x2 o{o}, o{o}, {'sa' if o % 2 == 0 else 'sb'};")
+        # fma with a -0 addend is the exact product, signed zeros included, and exists on sm80
+        # (mul.bf16x2 is sm90+); on sm90 ptxas emits one HMUL2/HFMA2 either way.
+        lines.append(f"fma.rn.bf16x2 o{o}, o{o}, {'sa' if o % 2 == 0 else 'sb'}, nz;")
         lines.append(f"mov.b32 {{${2 * o}, ${2 * o + 1}}}, o{o};")
     return "{\n" + "\n".join(lines) + "\n}"
 

@@ -3,7 +3,7 @@
 Weights are read in the kernel-native layout (layout.py, prepared once by NVFP4MoEWeights): per
 expert matrix [rows/16, K/64, 512] bytes of bit-placed nibbles and [rows/16, K/64, 64] bf16 block
 scales. A weight tile is dequantized by fp4.dequant_e2m1_words (2 integer instructions per weight
-+ one mul.bf16x2 per two) straight into the MMA A-operand registers; the products carry
++ one bf16x2 multiply per two) straight into the MMA A-operand registers; the products carry
 2^-ACC_SHIFT, undone together with scale_2 on the fp32 accumulator. Activations are one contiguous
 [rows, BLOCK_K] tile (K in natural order: no even/odd split). With swap-AB (weights on the MMA M
 side) Hopper's wgmma takes the weights from registers and the activations from shared memory.

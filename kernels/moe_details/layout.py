@@ -16,9 +16,9 @@ Bits: word bit positions are chosen so that each of the 4 bf16x2 MMA registers o
 both halves) or, for two of them, a sign and a magnitude part from two rotations
 (:data:`WORD_ROTATIONS`, found by exhaustive search: 5 rotations + 6 logic ops per word is the
 minimum for this instruction form). The bf16 read from those bits is the E2M1 value x 2^-126
-(code 1, 0.5, becomes the bf16 subnormal 2^-127, which ``mul.bf16x2`` accepts exactly).
+(code 1, 0.5, becomes the bf16 subnormal 2^-127, which the bf16x2 multiply takes exactly).
 
-Scales: one bf16 per 16-block holding ``e4m3 x 2^(126 - ACC_SHIFT)``, so that one ``mul.bf16x2``
+Scales: one bf16 per 16-block holding ``e4m3 x 2^(126 - ACC_SHIFT)``, so that one bf16x2 multiply
 per two weights yields the weight x 2^-ACC_SHIFT as a normal bf16 (exact: an E2M1 x E4M3 product
 has at most 6 significant bits, and ACC_SHIFT = 7 keeps 448 x 2^119 finite and 0.5 x 2^-9 x
 2^-7 normal); the kernels multiply the fp32 accumulator by scale_2 x 2^ACC_SHIFT. Scales are
