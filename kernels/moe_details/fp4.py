@@ -2,10 +2,11 @@
 block scales -> bf16 weights x 2^-ACC_SHIFT, exact.
 
 Per 32-bit word (8 weights): 5 rotations + 6 logic ops place the E2M1 bits into four bf16x2
-registers, and 4 ``fma.rn.bf16x2`` (x scale + -0) apply the block scales (2^126 compensation folded in by
-layout.py). On a GPU this is inline PTX; in Triton's CPU interpreter (no inline asm) the same
-bits are computed with plain integer ops and the product in fp32, which is exact, so both paths
-give identical values. ``tile_e2m1_bf16`` turns the dequantized words back into a logical
+registers, and 4 bf16x2 multiplies by the block scales (the 2^126 compensation is folded into
+the scales by layout.py) finish the job. On a GPU this is inline PTX with one element per word
+(so the result cannot depend on Triton's register order); in Triton's CPU interpreter (no
+inline asm) the same bits come from plain integer ops and the product from fp32, which is
+exact, so both paths give identical values. ``tile_e2m1_bf16`` turns the dequantized words back into a logical
 [rows, k] tile by reshapes and a permute only: with the layout's byte order this permute is the
 MMA A-operand register layout itself, so Triton emits no data movement for it.
 """
