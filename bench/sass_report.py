@@ -122,7 +122,7 @@ def our_rows(arch: int, shapes: list[str], m_list: list[int]) -> tuple[list[dict
     for shape in shapes:
         E, H, I, k = SHAPES[shape]
         for M in m_list:
-            cfg = get_moe_config(E, H, I, k, M, device_name=DEVICE_NAME)
+            cfg = get_moe_config(E, H, I, k, M, device_name=DEVICE_NAME if arch == 90 else f"sm_{arch}", arch=arch)
             for kind in ("gemm1", "gemm2"):
                 key = KernelKey.of(kind, cfg)
                 ck = (key, H, I)

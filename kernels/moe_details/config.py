@@ -115,6 +115,17 @@ def current_device_name(device=None) -> str:
     return torch.cuda.get_device_name(device).replace(" ", "_")
 
 
+@functools.lru_cache(maxsize=16)
+def current_arch(device=None) -> int:
+    """CUDA compute capability x 10 of the current device (90 = H100/H200), 90 without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def config_file_name(E: int, H: int, I: int, device_name: str) -> str:
     """File name of the tuned configs of one shape on one device (SGLang style)."""
     return f"E={E},N={I},H={H},device_name={device_name},dtype=nvfp4.json"
@@ -166,7 +177,9 @@ def _largest_dividing(k: int, options: tuple[int, ...]) -> int:
     return min(options)
 
 
-def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: int = _DEFAULT_NUM_SMS) -> MoEConfig:
+def heuristic_moe_config(
+    E: int, H: int, I: int, top_k: int, M: int, num_sms: int = _DEFAULT_NUM_SMS, arch: int | None = None
+) -> MoEConfig:
     """Default config when nothing is tuned, chosen from the static SASS report
     (bench/sass_report.py, sm90): every choice below keeps the hot K loop at <= 0.10
     warp-instructions per weight for block_m <= 64 (<= 0.12 at 128) and spills nothing.
@@ -183,7 +196,9 @@ def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: in
     - GEMM2: block_n2 = 256; block_k2 the largest of 256 / 128 / 64 dividing I (no masked
       tail: K3's TP16 shard has I = 192), capped at 128 for block_m >= 64; 4 warps with
       block_k2 = 64 at block_m <= 32 (each warp then owns 64 rows, halving the per-iteration
-      overhead; at block_m 64 that would spill), else 8.
+      overhead; at block_m 64 that would spill), else 8. On Blackwell (arch >= 100: the
+      weights go through shared memory to tcgen05) block_k2 <= 128, where 256 spills.
+    - arch: compute capability x 10 (None: the current device's, 90 without a GPU).
     - split-K when the expected number of programs (active experts x column tiles) is below
       2 x num_sms: enough K slices to reach it, capped at 8 and at K / block_k.
     - atomic_reduce (fp32 atomics into [M, H]) when GEMM2 is split over K or when the
@@ -207,7 +222,9 @@ def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: in
     block_n1 = 64 if block_m == 128 else 128
     block_k1 = _largest_dividing(H, (256, 128, 64) if block_m != 64 else (128, 64))
     block_n2 = 256
-    block_k2 = _largest_dividing(I, (256, 128, 64) if block_m <= 32 else (128, 64))
+    if arch is None:
+        arch = current_arch()
+    block_k2 = _largest_dividing(I, (256, 128, 64) if block_m <= 32 and arch < 100 else (128, 64))
     warps2 = 4 if block_k2 == 64 and block_m <= 32 else 8
 
     def split(k_dim: int, block_k: int, tiles: int) -> int:
@@ -236,10 +253,11 @@ def heuristic_moe_config(E: int, H: int, I: int, top_k: int, M: int, num_sms: in
 
 
 def get_moe_config(
-    E: int, H: int, I: int, top_k: int, M: int, device_name: str | None = None, directory=None
+    E: int, H: int, I: int, top_k: int, M: int, device_name: str | None = None, directory=None,
+    arch: int | None = None,
 ) -> MoEConfig:
     """Config for one call: the tuned config of the nearest batch size when a file exists for
-    (E, H, I, device), else :func:`heuristic_moe_config`."""
+    (E, H, I, device), else :func:`heuristic_moe_config` (for ``arch``, None = this device's)."""
     if device_name is None:
         device_name = current_device_name()
     tuned = load_moe_configs(E, H, I, device_name, directory)
@@ -249,4 +267,4 @@ def get_moe_config(
         nearest = min(tuned, key=lambda t: (abs(math.log2(max(t, 1) / m)), t))
         if max(nearest, m) <= _MAX_TUNED_DISTANCE * min(max(nearest, 1), m):
             return tuned[nearest]
-    return heuristic_moe_config(E, H, I, top_k, M)
+    return heuristic_moe_config(E, H, I, top_k, M, arch=arch)
