@@ -28,7 +28,7 @@ install-core: $(VENV)/.core-installed
 install-all: $(VENV)/.all-installed
 
 demo: install-core
-	$(PY) -m k3nvfp4.checkpoint.demo --workdir $(DEMO_DIR)
+	$(PY) -m k3nvfp4.demo --workdir $(DEMO_DIR)
 
 test: install-all
 	$(VENV)/bin/pytest -q tests

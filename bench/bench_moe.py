@@ -38,7 +38,6 @@ import datetime as _dt
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import time
@@ -48,23 +47,15 @@ H200_BW_TBPS = 4.8
 H200_BF16_TFLOPS = 790.0
 
 
-@dataclasses.dataclass(frozen=True)
-class BenchShape:
-    name: str
-    E: int  # local experts
-    global_experts: int
-    H: int
-    I: int
-    top_k: int
-    check_m: int  # M of the correctness check
-
-
+# name -> (per-rank shape as k3nvfp4.kernels.tune.TuneShape fields, M of the correctness check).
+# Plain dicts: TuneShape's module defines Triton kernels, which must wait until main() has set
+# TRITON_INTERPRET for --device cpu.
 SHAPES = {
-    "tp16": BenchShape("tp16", 896, 896, 3584, 192, 16, check_m=64),
-    "ep16": BenchShape("ep16", 56, 896, 3584, 3072, 16, check_m=256),
+    "tp16": (dict(E=896, H=3584, I=192, top_k=16, global_experts=896), 64),
+    "ep16": (dict(E=56, H=3584, I=3072, top_k=16, global_experts=896), 256),
     # CPU smoke shapes (interpreter): H, I multiples of 16, not powers of two.
-    "tiny-tp": BenchShape("tiny-tp", 6, 6, 48, 32, 2, check_m=4),
-    "tiny-ep": BenchShape("tiny-ep", 4, 16, 48, 32, 4, check_m=4),
+    "tiny-tp": (dict(E=6, H=48, I=32, top_k=2, global_experts=6), 4),
+    "tiny-ep": (dict(E=4, H=48, I=32, top_k=4, global_experts=16), 4),
 }
 DEFAULT_M = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 
@@ -82,46 +73,6 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, default=None, help="seconds; skip the remaining points when spent")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-# --------------------------------------------------------------------------------------------
-# Timing
-
-
-class Timer:
-    """Median seconds of fn(); CUDA events with an L2 flush before every call, or wall clock."""
-
-    def __init__(self, torch, device, quick: bool):
-        self.torch, self.device = torch, device
-        self.cuda = device.type == "cuda"
-        self.target_s = 0.03 if quick else 0.12  # timed GPU time per point
-        self.max_iters = 40 if quick else 200
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
-
-    def __call__(self, fn, warmup: int = 3) -> tuple[float, int]:
-        for _ in range(warmup):
-            fn()
-        if not self.cuda:
-            times = []
-            for _ in range(2):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times), len(times)
-        probe = self._run(fn, 3)
-        iters = int(min(self.max_iters, max(10, self.target_s / max(statistics.median(probe), 1e-6))))
-        return statistics.median(self._run(fn, iters)), iters
-
-    def _run(self, fn, n: int) -> list[float]:
-        torch = self.torch
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        for s, e in ev:
-            self.flush.zero_()  # evicts L2; also keeps the GPU busy while the launches queue up
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) * 1e-3 for s, e in ev]
 
 
 def measure_ceilings(torch, device) -> dict:
@@ -275,7 +226,7 @@ def probe_marlin() -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def bytes_moved(shape: BenchShape, M: int, distinct: int, act_bytes: int = 2) -> dict:
+def bytes_moved(shape: "TuneShape", M: int, distinct: int, act_bytes: int = 2) -> dict:
     """Bytes one call reads and writes. "nvfp4": what the kernel-native layout reads (nibbles,
     bf16 block scales: 2 bytes per 16 weights, scale_2); "modelopt_nvfp4": the same weights with
     E4M3 scales (1 byte per 16), what marlin reads; "bf16": the dequantized baseline."""
@@ -312,7 +263,7 @@ def main(argv=None) -> int:
 
     from k3nvfp4.kernels import fused_moe_nvfp4, fused_moe_nvfp4_reference
     from k3nvfp4.kernels.moe_details.config import current_device_name, get_moe_config
-    from k3nvfp4.kernels.tune import TuneShape, normwise_error, problem_routing, problem_weights
+    from k3nvfp4.kernels.tune import Timer, TuneShape, normwise_error, problem_routing, problem_weights
 
     if not cpu and not torch.cuda.is_available():
         print("bench_moe.py: no CUDA device (use --device cpu for an interpreter smoke run)", file=sys.stderr)
@@ -324,7 +275,8 @@ def main(argv=None) -> int:
         if s not in SHAPES:
             print(f"--shapes: unknown shape {s!r} (known: {', '.join(SHAPES)})", file=sys.stderr)
             return 2
-        shapes.append(SHAPES[s])
+        fields, check_m = SHAPES[s]
+        shapes.append((s, TuneShape(**fields), check_m))
     m_list = [int(m) for m in (args.m_list or ("1,5" if cpu else ",".join(map(str, DEFAULT_M)))).split(",")]
     dtype = torch.float32 if cpu else torch.bfloat16
     out_dir = pathlib.Path(args.out_dir) if args.out_dir else pathlib.Path(__file__).resolve().parent / "results"
@@ -355,30 +307,31 @@ def main(argv=None) -> int:
         "points": [],
         "errors": [],
     }  # fmt: skip
-    timer = Timer(torch, device, args.quick or cpu)
+    quick = args.quick or cpu
+    # CPU: 3 warm-up + 2 wall-clock runs; CUDA: runs sized to ~30 ms (quick) or ~120 ms of GPU time.
+    timer = Timer(device, warmup=3, iters=2, target_s=0.03 if quick else 0.12, max_iters=40 if quick else 200)
     failed = False
 
-    for i_shape, shape in enumerate(shapes):
+    for i_shape, (name, shape, check_m) in enumerate(shapes):
         # an even share of what is left of --time-budget for each remaining shape
         shape_deadline = None
         if args.time_budget:
             left = args.time_budget - (time.monotonic() - t0)
             shape_deadline = time.monotonic() + left / (len(shapes) - i_shape)
-        tshape = TuneShape(shape.E, shape.H, shape.I, shape.top_k, shape.global_experts)
-        weights = problem_weights(tshape, device, seed=args.seed)
+        weights = problem_weights(shape, device, seed=args.seed)
         w13_bf16 = w2_bf16 = None
         baseline_impl = None
         if not args.no_baseline:
             w13_bf16, w2_bf16 = dequantized_bf16(torch, weights)
             baseline_impl = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "per-expert loop"
-        info = {**dataclasses.asdict(shape), "baseline_impl": baseline_impl}
-        result["shapes"][shape.name] = info
-        print(f"== {shape.name}: E={shape.E}/{shape.global_experts} H={shape.H} I={shape.I} top-{shape.top_k}", flush=True)
+        info = {"name": name, **dataclasses.asdict(shape), "check_m": check_m, "baseline_impl": baseline_impl}
+        result["shapes"][name] = info
+        print(f"== {name}: E={shape.E}/{shape.global_experts} H={shape.H} I={shape.I} top-{shape.top_k}", flush=True)
 
         # Correctness, before any timing.
-        M = shape.check_m
+        M = check_m
         x = torch.randn(M, shape.H, device=device, generator=torch.Generator(device).manual_seed(args.seed + 1)).to(dtype)
-        tw, ids = problem_routing(M, tshape, device, seed=args.seed + 2)
+        tw, ids = problem_routing(M, shape, device, seed=args.seed + 2)
         ref = fused_moe_nvfp4_reference(x, weights, tw, ids).float()
         out = torch.full((M, shape.H), float("nan"), dtype=dtype, device=device)
         fused_moe_nvfp4(x, weights, tw, ids, out=out)
@@ -387,7 +340,7 @@ def main(argv=None) -> int:
         info["check"] = {"M": M, "ours_normwise_error": err, "tol": tol, "ok": err <= tol}
         if not err <= tol:
             failed = True
-            result["errors"].append(f"{shape.name}: our kernel differs from the reference: {err:.3g} > {tol}")
+            result["errors"].append(f"{name}: our kernel differs from the reference: {err:.3g} > {tol}")
         if baseline_impl == "torch._grouped_mm":
             try:
                 n_valid = int((ids >= 0).sum())
@@ -407,12 +360,12 @@ def main(argv=None) -> int:
 
         for M in m_list:
             if shape_deadline is not None and time.monotonic() > shape_deadline:
-                result["errors"].append(f"time budget spent: skipped {shape.name} M={M} and later points")
+                result["errors"].append(f"time budget spent: skipped {name} M={M} and later points")
                 break
-            point = {"shape": shape.name, "M": M}
+            point = {"shape": name, "M": M}
             try:
                 x = torch.randn(M, shape.H, device=device, generator=torch.Generator(device).manual_seed(M)).to(dtype)
-                tw, ids = problem_routing(M, tshape, device, seed=args.seed + 100 + M)
+                tw, ids = problem_routing(M, shape, device, seed=args.seed + 100 + M)
                 valid = ids[ids >= 0]
                 distinct = int(torch.unique(valid).numel())
                 routes = int(valid.numel())
@@ -423,14 +376,14 @@ def main(argv=None) -> int:
                              config=cfg.to_dict())  # fmt: skip
                 out = torch.empty(M, shape.H, dtype=dtype, device=device)
                 ours = lambda: fused_moe_nvfp4(x, weights, tw, ids, out=out)  # noqa: E731
-                t_eager, n = timer(ours)
+                t_eager, n = timer.measure(ours)
                 t, mode = t_eager, "eager"
                 if not args.no_graph:
                     fn, mode, why = graph_or_eager(torch, ours, cpu)
                     if why:
                         point["graph_failure"] = why
                     if mode == "cuda_graph":
-                        t, n = timer(fn)
+                        t, n = timer.measure(fn)
                         # the graph must compute what the eager call computes
                         ref_out = out.clone()
                         out.fill_(float("nan"))
@@ -459,7 +412,7 @@ def main(argv=None) -> int:
                             point["bf16_graph_failure"] = why
                     else:
                         bfn, bmode = (lambda: bf16_moe_loop(torch, xb, w13_bf16, w2_bf16, tw, ids)), "eager"
-                    tb, nb = timer(bfn, warmup=2)
+                    tb, nb = timer.measure(bfn, warmup=2)
                     point["bf16"] = {"impl": baseline_impl, "mode": bmode, "time_us": tb * 1e6, "iters": nb,
                                      "GBps": nbytes["bf16"] / tb / 1e9, "TFLOPs": flops / tb / 1e12}  # fmt: skip
                     point["speedup_vs_bf16"] = tb / t
@@ -472,7 +425,7 @@ def main(argv=None) -> int:
             except Exception as e:
                 failed = True
                 point["error"] = f"{type(e).__name__}: {e}"
-                result["errors"].append(f"{shape.name} M={M}: {point['error']}")
+                result["errors"].append(f"{name} M={M}: {point['error']}")
                 traceback.print_exc()
                 if not cpu:
                     torch.cuda.synchronize()

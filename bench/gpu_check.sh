@@ -5,7 +5,7 @@
 #   bench/gpu_check.sh --dry-run  # shim + import check, print the planned steps, run nothing on the GPU
 #   bench/gpu_check.sh --cpu-rehearsal  # every step on tiny shapes in the Triton interpreter (no GPU needed)
 #
-# Makes the package importable WITHOUT pip (a PYTHONPATH shim: k3nvfp4/{kernels,checkpoint,sglang_ext}
+# Makes the package importable WITHOUT pip (a PYTHONPATH shim: k3nvfp4/{common,kernels,checkpoint,sglang_ext,demo}
 # symlinked to this checkout), then runs, each step time-boxed with `timeout` and the script going on
 # after a failure:
 #   1. env       nvidia-smi, versions, import check
@@ -71,7 +71,7 @@ step() {
 # ---- 0. import shim: the package without pip ------------------------------------------------
 SHIM=$WORK/shim
 mkdir -p "$SHIM/k3nvfp4"
-for sub in kernels checkpoint sglang_ext; do ln -s "$REPO/$sub" "$SHIM/k3nvfp4/$sub"; done
+for sub in common kernels checkpoint sglang_ext demo; do ln -s "$REPO/$sub" "$SHIM/k3nvfp4/$sub"; done
 export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONDONTWRITEBYTECODE=1
 export MPLBACKEND=Agg

@@ -38,6 +38,8 @@ import subprocess
 import sys
 import traceback
 
+from k3nvfp4.common.files import write_json_atomic, write_text_atomic
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SHAPES = {  # name: (local experts, H, I, top_k), FACTS.md
     "tp16": (896, 3584, 192, 16),
@@ -229,9 +231,7 @@ def write_readme(md: str, path: pathlib.Path) -> None:
         raise SystemExit(f"{path}: markers {README_BEGIN} / {README_END} not found")
     head, rest = text.split(README_BEGIN, 1)
     _, tail = rest.split(README_END, 1)
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(head + README_BEGIN + "\n" + md + README_END + tail)
-    os.replace(tmp, path)
+    write_text_atomic(path, head + README_BEGIN + "\n" + md + README_END + tail)
 
 
 def parse_args(argv=None):
@@ -279,10 +279,7 @@ def main(argv=None) -> int:
             "errors": errors + peer_errors,
         }
         out = pathlib.Path(args.out) if args.out else REPO / "bench" / "results" / f"sass-sm{arch}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp, out)
+        write_json_atomic(out, result, indent=1)
         md = markdown(result)
         print(md)
         print(f"wrote {out}")

@@ -5,9 +5,34 @@
   verified MXFP4 -> NVFP4 cast;
 - ``layer.load_moe_layer_nvfp4``: one MoE layer of a cast checkpoint as an ``NVFP4MoELayer``
   (``NVFP4MoEWeights`` + hidden_act, SiTU betas, top_k, routed_scaling_factor).
+
+The names below are imported on first use (PEP 562): importing the package imports none of its
+modules, so ``python -m k3nvfp4.checkpoint.synthetic`` runs the module once, without runpy's
+"found in sys.modules" warning. Nothing here depends on ``k3nvfp4.sglang_ext``.
 """
 
-from .layer import NVFP4MoELayer, load_moe_layer_nvfp4
-from .synthetic import write_synthetic_checkpoint
+from __future__ import annotations
 
-__all__ = ["NVFP4MoELayer", "load_moe_layer_nvfp4", "write_synthetic_checkpoint"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "NVFP4MoELayer": "layer",
+    "load_moe_layer_nvfp4": "layer",
+    "write_synthetic_checkpoint": "synthetic",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from ..common.files import copy_file_atomic
 from ..kernels.cast import CastStats, MXFP4Weight, cast_mxfp4_to_nvfp4
 from . import _progress
 from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE
@@ -422,14 +423,10 @@ def _write_final_files(plan: CastPlan, options: CastOptions) -> int:
     write_atomic_text(out / HF_QUANT_CONFIG_FILE, json.dumps(hq, indent=2) + "\n")
     for rel in plan.side_files:
         dst = out / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.partial")
         try:
-            shutil.copy2(plan.source / rel, tmp)
+            copy_file_atomic(plan.source / rel, dst)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise CheckpointError(f"{dst}: copy failed: {exc.strerror or exc}") from exc
-        os.replace(tmp, dst)
     return total
 
 

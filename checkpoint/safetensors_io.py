@@ -19,6 +19,8 @@ from typing import BinaryIO, Iterable
 
 import torch
 
+from ..common.files import write_text_atomic
+
 # safetensors dtype tags <-> torch dtypes (the subset a K3 checkpoint uses, plus neighbours).
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -295,17 +297,8 @@ class StreamingWriter:
 
 
 def write_atomic_text(path: Path, text: str) -> None:
-    """Write a small text file via a temporary name and rename."""
-    tmp = path.with_name(f".{path.name}.partial")
+    """Write a small text file atomically (k3nvfp4.common.files); a failure is a CheckpointError."""
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write_text_atomic(path, text)
     except OSError as exc:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
         raise CheckpointError(f"{path}: write failed: {exc.strerror or exc}") from exc
-    os.replace(tmp, path)

@@ -12,20 +12,29 @@ Kimi-K3 release (see FACTS.md):
   ``.weight_packed`` (uint8 [out, in/2]) and ``.weight_scale`` (E8M0 uint8 [out, in/32]);
 - layer 0 a dense BF16 MLP; BF16 attention (KDA layers with ``A_log`` stored zero-padded to
   head_dim as float32, MLA every fourth layer), shared experts, latent projections, router,
-  norms, embeddings, lm_head and a small vision tower;
+  norms, embeddings, lm_head;
+- a small MoonViT3d vision tower and PatchMergerMLPV2 projector with the names and shapes
+  SGLang 0.5.23's Kimi-K3 vision model loads (``kimi_k3_vl.py``: conv patch embedding, fused
+  ``wqkv`` / ``wo`` attention with qkv_hidden_size != hidden_size, RMSNorm, bias-free MLP2,
+  ``mm_projector.proj.0/proj.2/post_norm``), described by a complete ``vision_config``;
 - tokenizer, chat template, generation_config.json and a ``*.py`` modelling file.
 
 Random E2M1 bytes cover all 16 codes (``-0`` = code 8 included). E8M0 exponents spread over
-about 12 binades below a per-expert maximum; ``zero_exponent_fraction`` of the blocks get
+about 12 binades below a per-matrix maximum; ``zero_exponent_fraction`` of the blocks get
 byte 0 (2^-127) and ``out_of_range_fraction`` of them lie 18..40 binades below the maximum
-(which no NVFP4 scale pair can represent exactly). Every tensor is drawn from its own seeded
-generator, so contents depend on ``seed`` and the tensor name only, not on the sharding.
+(which no NVFP4 scale pair can represent exactly). The maximum sits where trained weights put
+it: the matrix's RMS is about 1/sqrt(fan_in) (E8M0 bytes 120..122 for K3's H = 3584 and
+I = 3072, a few more for small test sizes), so one MoE layer maps RMS-1 hidden states to
+outputs of RMS O(1).
+Every tensor is drawn from its own seeded generator, so contents depend on ``seed`` and the
+tensor name only, not on the sharding.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import zlib
 from dataclasses import dataclass
@@ -45,9 +54,13 @@ from .layout import (
     shard_file_name,
 )
 
-# Per-expert maximum exponent byte: the K3 experts sit a few binades around 2^0.
-_KMAX_BYTE_RANGE = (118, 132)
 _IN_RANGE_SPREAD = 12  # normal blocks: up to this many binades below the maximum
+_BELOW_P = 0.25  # binomial(_IN_RANGE_SPREAD, _BELOW_P) binades below the maximum
+# RMS of a uniformly random E2M1 code (values 0, .5, 1, 1.5, 2, 3, 4, 6, either sign).
+_E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)
+# RMS of 2^-below over the binomial spread: sqrt(E[4^-below]).
+_SPREAD_RMS = math.sqrt((1 - _BELOW_P + _BELOW_P / 4) ** _IN_RANGE_SPREAD)
+_KMAX_JITTER = 1  # per-matrix maximum: +-1 binade around the fan-in target
 _OUT_OF_RANGE_SPREAD = (18, 40)  # beyond the 17 binades an NVFP4 scale pair spans
 
 
@@ -67,7 +80,12 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def _bf16(shape: tuple[int, ...], std: float = 0.02) -> Callable[[np.random.Generator], torch.Tensor]:
+def _bf16(shape: tuple[int, ...], std: float | None = None) -> Callable[[np.random.Generator], torch.Tensor]:
+    """Gaussian BF16; ``std`` defaults to 1/sqrt(fan_in) (the last dimension), the scale of
+    trained projections, so activations stay O(1) through every layer."""
+    if std is None:
+        std = 1.0 / math.sqrt(shape[-1])
+
     def make(rng: np.random.Generator) -> torch.Tensor:
         x = rng.standard_normal(shape, dtype=np.float32)
         return torch.from_numpy(x * std).to(torch.bfloat16)
@@ -110,7 +128,7 @@ def _e8m0_scales(
     def make(rng: np.random.Generator) -> torch.Tensor:
         n = shape[0] * shape[1]
         # Binomial spread: most blocks within a few binades of the maximum, a thin tail lower.
-        below = rng.binomial(_IN_RANGE_SPREAD, 0.25, size=n)
+        below = rng.binomial(_IN_RANGE_SPREAD, _BELOW_P, size=n)
         scale = kmax_byte - below
         u = rng.random(n)
         oor = u < out_of_range_fraction
@@ -124,9 +142,12 @@ def _e8m0_scales(
     return make
 
 
-def _expert_kmax_byte(seed: int, layer: int, expert: int) -> int:
-    rng = _rng(seed, f"kmax.{layer}.{expert}")
-    return int(rng.integers(*_KMAX_BYTE_RANGE, endpoint=True))
+def _kmax_byte(seed: int, key: str, fan_in: int) -> int:
+    """E8M0 byte of a matrix's largest block scale: 2^(byte-127) puts the matrix's RMS near
+    1/sqrt(fan_in) (what trained weights have), give or take _KMAX_JITTER binades."""
+    target = -math.log2(_E2M1_RMS * _SPREAD_RMS * math.sqrt(fan_in))
+    jitter = int(_rng(seed, f"kmax.{key}").integers(-_KMAX_JITTER, _KMAX_JITTER, endpoint=True))
+    return 127 + round(target) + jitter
 
 
 @dataclass(frozen=True)
@@ -158,14 +179,14 @@ def _tensor_plan(
     proj = dims.num_heads * dims.head_dim
     specs: list[_TensorSpec] = []
 
-    def bf16(name: str, *shape: int, std: float = 0.02) -> None:
+    def bf16(name: str, *shape: int, std: float | None = None) -> None:
         specs.append(_TensorSpec(name, tuple(shape), torch.bfloat16, _bf16(tuple(shape), std)))
 
     def norm(name: str, n: int) -> None:
         specs.append(_TensorSpec(name, (n,), torch.bfloat16, _ones_bf16((n,))))
 
     specs.append(_TensorSpec("language_model.model.embed_tokens.weight", (dims.vocab_size, D), torch.bfloat16,
-                             _bf16((dims.vocab_size, D))))
+                             _bf16((dims.vocab_size, D), std=1.0)))
     for n in range(dims.num_layers):
         p = layer_prefix(n)
         norm(f"{p}.input_layernorm.weight", D)
@@ -215,9 +236,9 @@ def _tensor_plan(
         bf16(f"{m}.routed_expert_down_proj.weight", H, D)
         bf16(f"{m}.routed_expert_up_proj.weight", D, H)
         for e in range(dims.num_experts):
-            kmax = _expert_kmax_byte(seed, n, e)
             # w2 gets its own maximum (its own scale_2); w1/w3 share one.
-            kmax_w2 = kmax + int(_rng(seed, f"kmax_w2.{n}.{e}").integers(-2, 3))
+            kmax = _kmax_byte(seed, f"{n}.{e}", fan_in=H)
+            kmax_w2 = _kmax_byte(seed, f"w2.{n}.{e}", fan_in=I)
             for w, (rows, cols), k in (("w1", (I, H), kmax), ("w3", (I, H), kmax), ("w2", (H, I), kmax_w2)):
                 base = f"{expert_prefix(n, e)}.{w}"
                 scale_make = _e8m0_scales((rows, cols // 32), k, out_of_range_fraction, zero_exponent_fraction)
@@ -230,14 +251,90 @@ def _tensor_plan(
     specs.append(_TensorSpec("language_model.model.norm.weight", (D,), torch.bfloat16, _ones_bf16((D,))))
     specs.append(_TensorSpec("language_model.lm_head.weight", (dims.vocab_size, D), torch.bfloat16,
                              _bf16((dims.vocab_size, D))))
-    # A token vision tower: carried through unquantized like everything that is not an expert.
-    vt = 64
-    bf16("vision_tower.patch_embed.proj.weight", vt, 3 * 14 * 14)
-    bf16("vision_tower.encoder.blocks.0.attn.qkv.weight", 3 * vt, vt)
-    bf16("vision_tower.encoder.blocks.0.attn.proj.weight", vt, vt)
-    norm("vision_tower.encoder.blocks.0.norm0.weight", vt)
-    bf16("mm_projector.proj.0.weight", D, 4 * vt)
+    _vision_tensors(specs, D)
     return specs
+
+
+@dataclass(frozen=True)
+class _VisionShape:
+    """The synthetic vision tower: K3's structure (qkv width != hidden width, 2x2 patch merge)
+    at a token size."""
+
+    hidden: int = 64  # vt_hidden_size
+    qkv_hidden: int = 96  # qkv_hidden_size (K3: 1536 against a 1024-wide tower)
+    heads: int = 2
+    layers: int = 2
+    intermediate: int = 128
+    patch: int = 14
+    pos_emb: int = 8  # init_pos_emb_height = init_pos_emb_width
+    pos_emb_time: int = 4
+    merge: int = 2  # merge_kernel_size (merge x merge patches per projector row)
+
+
+_VISION = _VisionShape()
+
+
+def _vision_tensors(specs: list[_TensorSpec], text_hidden: int) -> None:
+    """Vision tower + projector tensors, named and shaped as SGLang's KimiK3VisionTower /
+    KimiK3MultiModalProjector parameters (bias-free, RMSNorm weights only)."""
+    v = _VISION
+
+    def add(name: str, *shape: int, std: float | None = None) -> None:
+        specs.append(_TensorSpec(name, tuple(shape), torch.bfloat16, _bf16(tuple(shape), std)))
+
+    def norm(name: str, n: int) -> None:
+        specs.append(_TensorSpec(name, (n,), torch.bfloat16, _ones_bf16((n,))))
+
+    # Conv2d with stride = kernel: fan-in 3 x patch x patch.
+    add("vision_tower.patch_embed.proj.weight", v.hidden, 3, v.patch, v.patch, std=1 / math.sqrt(3 * v.patch**2))
+    add("vision_tower.patch_embed.pos_emb.weight", v.pos_emb, v.pos_emb, v.hidden, std=0.02)
+    for b in range(v.layers):
+        blk = f"vision_tower.encoder.blocks.{b}"
+        norm(f"{blk}.norm0.weight", v.hidden)
+        norm(f"{blk}.norm1.weight", v.hidden)
+        add(f"{blk}.wqkv.weight", 3 * v.qkv_hidden, v.hidden)
+        add(f"{blk}.wo.weight", v.hidden, v.qkv_hidden)
+        add(f"{blk}.mlp.fc0.weight", v.intermediate, v.hidden)
+        add(f"{blk}.mlp.fc1.weight", v.hidden, v.intermediate)
+    norm("vision_tower.encoder.final_layernorm.weight", v.hidden)
+    merged = v.hidden * v.merge * v.merge
+    add("mm_projector.proj.0.weight", merged, merged)
+    add("mm_projector.proj.2.weight", text_hidden, merged)
+    norm("mm_projector.post_norm.weight", text_hidden)
+
+
+def _vision_config(text_hidden: int) -> dict:
+    """``vision_config`` with every key SGLang's KimiK3VisionConfig reads (its defaults are the
+    release's 27-layer, 1024-wide tower, so a small tower must state them all)."""
+    v = _VISION
+    return {
+        "model_type": "kimi_k3_vision",
+        "patch_size": v.patch,
+        "init_pos_emb_height": v.pos_emb,
+        "init_pos_emb_width": v.pos_emb,
+        "init_pos_emb_time": v.pos_emb_time,
+        "pos_emb_type": "divided_fixed",
+        "pos_emb_interpolation_mode": "bilinear",
+        "vt_hidden_size": v.hidden,
+        "vt_num_attention_heads": v.heads,
+        "vt_num_hidden_layers": v.layers,
+        "vt_intermediate_size": v.intermediate,
+        "qkv_hidden_size": v.qkv_hidden,
+        "merge_kernel_size": [v.merge, v.merge],
+        "merge_type": "sd2_tpool",
+        "video_attn_type": "spatial_temporal",
+        "mm_projector_type": "patchmergerv2",
+        "mm_hidden_size": v.hidden,
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5,
+        "norm_type": "rmsnorm",
+        "attn_bias": False,
+        "patch_embed_proj_bias": False,
+        "mlp_type": "mlp2",
+        "linear_bias": False,
+        "activation_func": "gelu_pytorch_tanh",
+        "text_hidden_size": text_hidden,
+    }
 
 
 def _split_shards(specs: list[_TensorSpec], num_shards: int) -> list[list[_TensorSpec]]:
@@ -344,7 +441,7 @@ def _config(dims: _ModelShape) -> dict:
             "AutoModelForCausalLM": "modeling_kimi_linear.KimiK3ForConditionalGeneration",
         },
         "text_config": text,
-        "vision_config": {"model_type": "kimi_k3_vision", "vt_hidden_size": 64, "text_hidden_size": dims.model_hidden_size},
+        "vision_config": _vision_config(dims.model_hidden_size),
         "media_placeholder_token_id": min(163605, dims.vocab_size - 1),
         "torch_dtype": "bfloat16",
         "transformers_version": "4.57.1",

@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..common.files import write_json_atomic
 from .interpreter import kernels_interpreted, rerun_with_interpreter
 from .moe_details.config import (
     CONFIG_DIR_ENV,
@@ -251,54 +252,56 @@ def stages(space: str) -> list[dict[str, list]]:
 
 
 class Timer:
-    """Median time of a callable: CUDA events with an L2 flush before each run, or wall clock."""
+    """Median time of a callable: CUDA events with an L2 flush before each run, or wall clock.
 
-    def __init__(self, device: torch.device, warmup: int, iters: int, flush_mb: int = 256):
+    ``iters`` timed runs after ``warmup`` untimed ones. On CUDA, ``target_s`` instead sizes the
+    run count from a 3-run probe to about that much GPU time, clamped to [10, max_iters]
+    (bench/bench_moe.py); on CPU ``iters`` always applies. The tuner and the benchmark share it.
+    """
+
+    def __init__(self, device: torch.device, warmup: int, iters: int, flush_mb: int = 256,
+                 target_s: float | None = None, max_iters: int = 200):  # fmt: skip
         self.device, self.warmup, self.iters = device, warmup, iters
+        self.target_s, self.max_iters = target_s, max_iters
         self.cuda = device.type == "cuda"
         self._flush = torch.empty(flush_mb << 20, dtype=torch.uint8, device=device) if self.cuda else None
 
     def __call__(self, fn: Callable[[], object]) -> float:
         """Median seconds per call."""
-        for _ in range(self.warmup):
+        return self.measure(fn)[0]
+
+    def measure(self, fn: Callable[[], object], warmup: int | None = None) -> tuple[float, int]:
+        """(median seconds per call, timed runs)."""
+        for _ in range(self.warmup if warmup is None else warmup):
             fn()
-        times = []
-        if self.cuda:
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
-            for s, e in zip(starts, ends):
-                # the memset also keeps the GPU busy while the launches queue up behind it
-                self._flush.zero_()
-                s.record()
-                fn()
-                e.record()
-            torch.cuda.synchronize(self.device)
-            times = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
-        else:
-            for _ in range(self.iters):
+        iters = self.iters
+        if self.cuda and self.target_s is not None:
+            probe = statistics.median(self._run(fn, 3))
+            iters = int(min(self.max_iters, max(10, self.target_s / max(probe, 1e-6))))
+        return statistics.median(self._run(fn, iters)), iters
+
+    def _run(self, fn: Callable[[], object], n: int) -> list[float]:
+        if not self.cuda:
+            times = []
+            for _ in range(n):
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            return times
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for s, e in zip(starts, ends):
+            # the memset also keeps the GPU busy while the launches queue up behind it
+            self._flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize(self.device)
+        return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
 
 
 # --------------------------------------------------------------------------------------------
-# Files
-
-
-def atomic_write_json(path: pathlib.Path, obj) -> None:
-    """Write JSON to a temp file beside ``path``, fsync, then rename over it (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+# Results files (written with files.write_json_atomic)
 
 
 def _shape_key(shape: TuneShape, device_name: str, space: str, dtype: str, activation: str) -> dict:
@@ -624,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if best is None:
                 print(f"warning: M={M}: no config passed the check; nothing recorded", file=sys.stderr)
             results[str(M)] = entry
-            atomic_write_json(partial_path, {"version": _PARTIAL_VERSION, "key": key, "results": results})
+            write_json_atomic(partial_path, {"version": _PARTIAL_VERSION, "key": key, "results": results})
 
     tuned = {m: r for m, r in results.items() if r.get("config")}
     if not tuned:
@@ -638,9 +641,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, json.JSONDecodeError) as e:
             print(f"note: replacing unreadable {final_path}: {e}", file=sys.stderr)
     merged.update({m: r["config"] for m, r in tuned.items()})
-    atomic_write_json(final_path, {k: merged[k] for k in sorted(merged, key=int)})
+    write_json_atomic(final_path, {k: merged[k] for k in sorted(merged, key=int)})
     if args.report:
-        atomic_write_json(pathlib.Path(args.report), {"key": key, "results": results,
+        write_json_atomic(pathlib.Path(args.report), {"key": key, "results": results,
                                                       "elapsed_s": time.monotonic() - t_start})  # fmt: skip
     finished = all(str(m) in results and results[str(m)]["complete"] for m in batch_sizes)
     if finished:

@@ -1,14 +1,19 @@
-"""Does this process see the plugin? ``python -m k3nvfp4.sglang_ext.selfcheck`` prints it as JSON.
+"""Self-checks of the SGLang integration.
 
-Runs SGLang's own ``load_plugins()`` (entry points, SGLANG_PLUGINS filter, hook application),
-exactly as SGLang's launcher and scheduler processes do, then reports what it registered.
+- ``python -P -m k3nvfp4.sglang_ext.selfcheck``: does this process see the plugin? Runs
+  SGLang's own ``load_plugins()`` (entry points, SGLANG_PLUGINS filter, hook application),
+  exactly as SGLang's launcher and scheduler processes do, and prints what it registered as JSON.
+- ``python -P -m k3nvfp4.sglang_ext.selfcheck --model CKPT [...]``: the model-class check of a
+  cast checkpoint through SGLang's own Kimi-K3 model class and loader
+  (:mod:`k3nvfp4.sglang_ext.model_check`; ``--help`` lists the options).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 from . import BACKEND_NAME
 
@@ -52,7 +57,19 @@ def probe_into_queue(queue: Any) -> None:
         queue.put({"error": f"{type(err).__name__}: {err}"})
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    from .model_check import cli as model_cli
+
+    ap = argparse.ArgumentParser(prog=model_cli.PROG, description="Self-checks of the k3nvfp4 SGLang plugin: "
+                                 "without --model, the plugin registration; with --model, the model-class check.")
+    model_cli.add_arguments(ap)
+    args = ap.parse_args(argv)
+    if args.model:
+        if argv is None:  # without CUDA the fused kernels run in the Triton interpreter
+            from ..kernels.interpreter import rerun_with_interpreter
+
+            rerun_with_interpreter("k3nvfp4.sglang_ext.selfcheck")
+        return model_cli.main(argv, ap)
     status = plugin_status()
     print(json.dumps(status, indent=2))
     ok = status["backend_choice"] and status["runner_core"] and all(status["hooks"].values())

@@ -37,8 +37,8 @@ SEED = 1234
 # fp32 activations run the kernels with IEEE fp32 dots: only summation order differs from
 # SGLang's fp32 reference. bf16 activations round the GEMM1/SiTU intermediate to bf16 (the
 # interpreter truncates) and the output to bf16.
-FP32_TOL = 2e-6  # max |out - ref| / max |ref|; measured <= 1.5e-7
-BF16_TOL = 1.5e-2  # measured 3.2e-3
+FP32_TOL = 2e-6  # max |out - ref| / max |ref|; measured 3.3e-7 (trained-like synthetic magnitudes)
+BF16_TOL = 1.5e-2  # measured 3.5e-3
 # Short name -> SGLang's ModelOpt NVFP4 MoE parameter.
 MODELOPT_PARAMS = {
     "w13": "w13_weight", "w13_scale": "w13_weight_scale", "w13_scale_2": "w13_weight_scale_2",

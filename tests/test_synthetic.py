@@ -152,3 +152,45 @@ def test_cli(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().out
     assert synthetic_main(["--out", str(tmp_path / "x"), "--hidden", "48"]) == 2
     assert "multiple of 32" in capsys.readouterr().out
+
+
+def test_vision_tensors_are_what_sglang_builds(ckpt):
+    """Names, shapes and dtypes of the vision tower + projector tensors equal the parameters of
+    SGLang 0.5.23's own KimiK3VisionTower / KimiK3MultiModalProjector built from the config."""
+    from sglang.srt.configs.kimi_k3 import KimiK3Config
+    from sglang.srt.models.kimi_k3_vl import KimiK3MultiModalProjector, KimiK3VisionTower
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    k3 = KimiK3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        modules = {"vision_tower": KimiK3VisionTower(k3.vision_config), "mm_projector": KimiK3MultiModalProjector(k3.vision_config)}
+    expected = {f"{prefix}.{n}": tuple(p.shape) for prefix, m in modules.items() for n, p in m.named_parameters()}
+    t = _tensors(ckpt)
+    got = {n: tuple(v.shape) for n, v in t.items() if n.startswith(("vision_tower.", "mm_projector."))}
+    assert got == expected
+    assert all(t[n].dtype == torch.bfloat16 for n in got)
+    assert got["vision_tower.patch_embed.proj.weight"] == (64, 3, 14, 14)  # a Conv2d weight
+    assert k3.vision_config.qkv_hidden_size != k3.vision_config.vt_hidden_size  # as in K3 (1536 vs 1024)
+
+
+def test_expert_magnitudes_are_trained_like(ckpt):
+    """Each expert matrix has RMS about 1/sqrt(fan_in) (E8M0 maxima where trained weights put
+    them), so RMS-1 inputs give O(1) outputs; decoded with ml_dtypes, independent of the package."""
+    import ml_dtypes
+
+    t = _tensors(ckpt)
+    ratios = []
+    for n, packed in t.items():
+        m = EXPERT.match(n)
+        if not m or m[4] != "weight_packed":
+            continue
+        p = packed.numpy()
+        codes = np.stack([p & 0x0F, p >> 4], axis=-1).reshape(p.shape[0], -1)
+        scale = t[n.replace("weight_packed", "weight_scale")].numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+        w = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.repeat(scale, 32, axis=1)
+        ratios.append(np.sqrt((w**2).mean()) * np.sqrt(w.shape[1]))  # RMS x sqrt(fan_in)
+    ratios = np.array(ratios)
+    assert len(ratios) == 3 * 6 * 3
+    # +-1 binade of per-matrix jitter and +-0.5 of rounding around 1; out-of-range / zero blocks lower it a bit.
+    print(f"RMS x sqrt(fan_in): min {ratios.min():.3f} median {np.median(ratios):.3f} max {ratios.max():.3f}")
+    assert 0.25 < ratios.min() and ratios.max() < 4 and 0.5 < np.median(ratios) < 2

@@ -100,7 +100,7 @@ def test_coverage_order_spans_the_range_first():
 def test_atomic_write_and_partial_key_mismatch(tmp_path):
     path = tmp_path / "x.partial.json"
     key = {"E": 1}
-    tune.atomic_write_json(path, {"version": 1, "key": key, "results": {"1": {"complete": True}, "2": {"complete": False}}})
+    tune.write_json_atomic(path, {"version": 1, "key": key, "results": {"1": {"complete": True}, "2": {"complete": False}}})
     assert [p.name for p in tmp_path.iterdir()] == ["x.partial.json"]  # no temp file left behind
     assert tune.load_partial(path, key) == {"1": {"complete": True}}  # unfinished entries are redone
     assert tune.load_partial(path, {"E": 2}) == {}

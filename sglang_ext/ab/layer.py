@@ -18,12 +18,13 @@ import torch
 
 from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
+from ...common.files import write_text_atomic
 from . import plots
 from .arms import ARM_NAMES, ArmUnavailable, build_arm
 from .errors import InputError
 from .layer_inputs import load_activations, load_checkpoint_layer, realistic_routed_inputs, synthetic_layer
 from .metrics import PairMetrics, compare_outputs
-from .report import atomic_write_text, fmt, markdown_table, write_json
+from .report import fmt, markdown_table, write_json
 
 PAIRS = (("triton_situ", "reference"), ("marlin", "reference"), ("triton_situ", "marlin"))
 
@@ -226,5 +227,5 @@ def _write(rep: LayerABReport, out: Path, outputs: dict[str, torch.Tensor], with
                                 for p in rep.pairs}, "per-expert normwise relative error (floored at 1e-12)")
         files.update(error_hist="error_hist.png", per_expert_error="per_expert_error.png")
     rep.files = files
-    atomic_write_text(out / "summary.md", rep.summary_markdown())
+    write_text_atomic(out / "summary.md", rep.summary_markdown())
     write_json(out / "report.json", rep.to_dict())

@@ -1,28 +1,14 @@
-"""Report files: JSON and Markdown written atomically (temp file + rename), so an interrupted
-run never leaves a half-written report under its final name."""
+"""Report files: JSON and Markdown written atomically (k3nvfp4.common.files), so an
+interrupted run never leaves a half-written report under its final name."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write text to path through a temporary file in the same directory."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from ...common.files import write_text_atomic
 
 
 def _jsonable(x: Any) -> Any:
@@ -37,7 +23,7 @@ def _jsonable(x: Any) -> Any:
 
 def write_json(path: Path, obj: Any) -> None:
     """Strict JSON (NaN -> null) with stable key order."""
-    atomic_write_text(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
+    write_text_atomic(path, json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
 
 
 def fmt(x: Any, spec: str = ".4g") -> str:

@@ -15,11 +15,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ...common.files import write_text_atomic
 from . import plots
 from .client import ChatClient, Completion
 from .errors import ABError
 from .prompts import Prompt, extract_answer, final_answer_key, load_prompts
-from .report import atomic_write_text, fmt, markdown_table, write_json
+from .report import fmt, markdown_table, write_json
 from .serve_metrics import pass_at_1, summarize_agreements, token_agreement
 
 DEFAULT_PORTS = {"marlin": 30000, "triton_situ": 30001}
@@ -277,7 +278,7 @@ def _write_serve_outputs(rep: ServeABReport, cfg: ServeConfig, comps: dict, resu
     for key in sorted(comps):
         c, r = comps[key], results[key]
         lines.append(json.dumps({**asdict(r), "content": c.content, "reasoning_content": c.reasoning_content}))
-    atomic_write_text(out / "completions.jsonl", "\n".join(lines) + "\n")
+    write_text_atomic(out / "completions.jsonl", "\n".join(lines) + "\n")
     arms = list(rep.accuracy)
     files = {"report": "report.json", "summary": "summary.md", "completions": "completions.jsonl"}
     if all("all_graded" in rep.accuracy[x] for x in arms):
@@ -291,5 +292,5 @@ def _write_serve_outputs(rep: ServeABReport, cfg: ServeConfig, comps: dict, resu
                                f"greedy first divergence: {g['other_arm']} vs {g['baseline_arm']}")
     files["divergence_plot"] = "divergence_hist.png"
     rep.files = files
-    atomic_write_text(out / "summary.md", summary_markdown(rep))
+    write_text_atomic(out / "summary.md", summary_markdown(rep))
     write_json(out / "report.json", rep.to_dict())

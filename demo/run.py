@@ -1,4 +1,4 @@
-"""``make demo``: the main job on a small built-in example.
+"""``make demo`` (``python -P -m k3nvfp4.demo``): the main job on a small built-in example.
 
 1. build a small synthetic Kimi-K3 MXFP4 checkpoint (exact K3 layout and naming);
 2. cast it to NVFP4 with ``k3nvfp4-cast --verify`` and print the summary;
@@ -6,9 +6,11 @@
    and the plain-torch reference (and SGLang's marlin where it can run) with
    ``k3nvfp4-ab layer``, in bf16 and in fp32 (the exactness check), and print the error tables.
 
-Runs on CPU in about a minute (the Triton kernels in the interpreter).
+Runs on CPU in about a minute (the Triton kernels in the interpreter). It sits above both
+``k3nvfp4.checkpoint`` (steps 1-2) and ``k3nvfp4.sglang_ext`` (step 3), so neither of those
+depends on the other.
 
-    python -P -m k3nvfp4.checkpoint.demo --workdir build/demo
+    python -P -m k3nvfp4.demo --workdir build/demo
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from ..checkpoint.cli import main as cast_main
+from ..checkpoint.layout import INDEX_FILE, REPORT_FILE
+from ..checkpoint.synthetic import write_synthetic_checkpoint
 from ..kernels.interpreter import rerun_with_interpreter
 from ..sglang_ext.ab.cli import main as ab_main
-from .cli import main as cast_main
-from .layout import INDEX_FILE, REPORT_FILE
-from .synthetic import write_synthetic_checkpoint
 
 # Small, but every feature of the K3 layout: dense layer 0, KDA + MLA attention, 3 MoE
 # layers whose experts straddle shards, zero-exponent (all +-0) blocks, padded A_log.
@@ -61,13 +63,13 @@ def cast(src: Path, workdir: Path, workers: int = 2) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3nvfp4.checkpoint.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m k3nvfp4.demo", description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("build/demo"))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="tokens routed through the layer A/B")
     args = ap.parse_args(argv)
     if argv is None:  # without CUDA the layer A/B runs the kernels in the interpreter
-        rerun_with_interpreter("k3nvfp4.checkpoint.demo")
+        rerun_with_interpreter("k3nvfp4.demo")
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = build_source(args.workdir)
     nvfp4 = cast(src, args.workdir, args.workers)
@@ -90,6 +92,3 @@ def layer_ab(nvfp4: Path, workdir: Path, tokens: int) -> None:
         if rc != 0:
             raise SystemExit(f"[demo] k3nvfp4-ab layer failed with exit code {rc}")
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

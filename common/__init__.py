@@ -1,0 +1,7 @@
+"""Standard-library helpers shared by every k3nvfp4 package (``k3nvfp4.common``).
+
+Importing it pulls neither torch nor triton, so the import-light modules (the SGLang plugin
+entry point, the server-level A/B client) can use it.
+
+- ``files``: atomic file writes (temporary beside the target, fsync, rename).
+"""

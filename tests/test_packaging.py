@@ -1,0 +1,103 @@
+"""Packaging and module hygiene a new user meets first.
+
+- Building the package prints no warning of this project's making (setuptools used to warn
+  about the license table and about package-data folders missing from ``packages``).
+- ``python -P -m <module>`` of the project's runnable modules prints no warning (runpy used to
+  warn that the synthetic-checkpoint module was imported by its package before it ran).
+- ``k3nvfp4.checkpoint`` depends on nothing of ``k3nvfp4.sglang_ext`` (the demo, which uses
+  both, lives above them in ``k3nvfp4.demo``).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+_IGNORE = shutil.ignore_patterns(".venv", "build", "dist", ".git", "*.egg-info", "__pycache__", ".pytest_cache",
+                                 ".hypothesis", "gpu_out")  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    env.pop("PYTHONWARNINGS", None)  # what a user sees: Python's default filters
+    return env
+
+
+def test_wheel_build_prints_no_project_warning(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=_IGNORE)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for marker in ("Warning", "deprecated", "is absent from the `packages`"):
+        assert marker not in out, out[-4000:]
+    (wheel,) = (tmp_path / "dist").glob("kimi_k3_nvfp4-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("k3nvfp4/common/files.py", "k3nvfp4/demo/__main__.py", "k3nvfp4/sglang_ext/model_check/run.py",
+              "k3nvfp4/sglang_ext/ab/data/default_prompts.jsonl", "k3nvfp4/checkpoint/synthetic.py"):  # fmt: skip
+        assert f in names, f
+    assert not any(n.startswith(("kernels/", "checkpoint/", "sglang_ext/", "demo/", "common/")) for n in names)
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["k3nvfp4.checkpoint.synthetic", "--out", "{tmp}/syn", "--layers", "2", "--experts", "2", "--hidden", "32",
+         "--intermediate", "32", "--shards", "1"],
+        ["k3nvfp4.checkpoint", "--help"],
+        ["k3nvfp4.checkpoint.cli", "--help"],
+        ["k3nvfp4.demo", "--help"],
+        ["k3nvfp4.kernels.tune", "--help"],
+        ["k3nvfp4.sglang_ext.ab.cli", "--help"],
+    ],
+    ids=lambda a: a[0],
+)  # fmt: skip
+def test_module_runs_print_no_warning(argv, tmp_path):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    proc = subprocess.run([sys.executable, "-P", "-m", *argv], capture_output=True, text=True, timeout=300,
+                          env=_env(), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-4000:]
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute and package-relative module names imported by ``path`` (resolved against k3nvfp4)."""
+    pkg = ["k3nvfp4", path.parent.name]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def test_checkpoint_does_not_depend_on_sglang_ext():
+    files = sorted((REPO / "checkpoint").glob("*.py"))
+    assert files
+    for f in files:
+        bad = sorted(m for m in _imports(f) if m.startswith("k3nvfp4.sglang_ext") or m.startswith("sglang"))
+        assert bad == [], f"{f.name} imports {bad}"
+    modules = [f"k3nvfp4.checkpoint.{f.stem}" for f in files if f.stem != "__main__"]
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('k3nvfp4.sglang_ext', 'sglang'))))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == "[]"
