@@ -189,22 +189,11 @@ def _init_parallel(rank: int, world: int, port: int, tp: int, ep: int) -> None:
 
     if world > 1 and not torch.cuda.is_available():
         # CPU-only multi-rank: SGLang's GPU communicators (pynccl, custom all-reduce) cannot
-        # start; plain torch.distributed over the gloo groups carries the all-reduce.
-        parallel_state.set_custom_all_reduce(False)
-        if not getattr(parallel_state.init_model_parallel_group, "_k3_cpu", False):
-            make_group = parallel_state.init_model_parallel_group
+        # start, and the EP dispatcher's expert map needs a CPU device: the model check's
+        # named workaround (plain torch.distributed over the gloo groups carries the all-reduce).
+        from k3nvfp4.sglang_ext.model_check.sglang_path import cpu_multi_rank_communicators
 
-            def cpu_group(*args, **kwargs):
-                kwargs["use_pynccl"] = False
-                return make_group(*args, **kwargs)
-
-            cpu_group._k3_cpu = True
-            parallel_state.init_model_parallel_group = cpu_group
-        # The EP dispatcher allocates its global->local expert map on get_device(), which
-        # knows no CPU; the map itself is SGLang's.
-        from sglang.srt.layers.moe.token_dispatcher import standard
-
-        standard.get_device = lambda *args, **kwargs: "cpu"
+        cpu_multi_rank_communicators()
     if parallel_state._WORLD is None:
         init_distributed_environment(
             world_size=world, rank=rank, local_rank=rank, backend="gloo",

@@ -110,7 +110,7 @@ def server_args_for(
         raise ModelCheckError(f"SGLang rejected the launch arguments {argv}: exit {exc.code}") from None
 
 
-def _cpu_multi_rank_communicators() -> None:
+def cpu_multi_rank_communicators() -> None:
     """CPU obstacle (several ranks): no pynccl / custom all-reduce; the EP map on CPU."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.layers.moe.token_dispatcher import standard
@@ -144,7 +144,7 @@ def init_parallel(server_args: Any, *, rank: int, world_size: int, port: int) ->
     if cuda:
         torch.cuda.set_device(rank)
     elif world_size > 1:
-        _cpu_multi_rank_communicators()
+        cpu_multi_rank_communicators()
     world = parallel_state._WORLD
     if world is not None and world.world_size != world_size:
         raise ModelCheckError(
