@@ -29,7 +29,6 @@ Writes bench/results/sass-sm<arch>.json (one file per arch) and prints a Markdow
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import json
 import os
@@ -56,38 +55,8 @@ def target_for(M: int) -> float:
     return 0.10 if M <= 1024 else 0.12
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelKey:
-    kind: str  # gemm1 / gemm2
-    block_m: int
-    swap_ab: bool
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int
-    atomic_reduce: bool
-
-    @classmethod
-    def of(cls, kind: str, cfg) -> "KernelKey":
-        if kind == "gemm1":
-            return cls(kind, cfg.block_m, cfg.swap_ab, cfg.block_n1, cfg.block_k1, cfg.split_k1,
-                       cfg.num_warps1, cfg.num_stages1, False)
-        return cls(kind, cfg.block_m, cfg.swap_ab, cfg.block_n2, cfg.block_k2, cfg.split_k2,
-                   cfg.num_warps2, cfg.num_stages2, cfg.atomic_reduce)
-
-    @property
-    def weights_per_iteration(self) -> int:
-        rows = 2 * self.block_n if self.kind == "gemm1" else self.block_n  # GEMM1: gate + up rows
-        return rows * self.block_k
-
-    def label(self) -> str:
-        return (f"bm{self.block_m} {'swap' if self.swap_ab else 'noswap'} bn{self.block_n} bk{self.block_k}"
-                f" sk{self.split_k} w{self.num_warps} s{self.num_stages}")
-
-
-def measure_kernel(key: KernelKey, cfg, H: int, I: int, top_k: int, arch: int) -> dict:
-    """Compile one GEMM at one config and measure its hot loop."""
+def measure_kernel(key, cfg, H: int, I: int, top_k: int, arch: int) -> dict:
+    """Compile one GEMM (key = cfg.gemm(kind), a GemmLaunch) and measure its hot loop."""
     from k3nvfp4.kernels import sass
     from k3nvfp4.kernels.moe_details.compile_check import compile_gemm
 
@@ -126,7 +95,7 @@ def our_rows(arch: int, shapes: list[str], m_list: list[int]) -> tuple[list[dict
         for M in m_list:
             cfg = get_moe_config(E, H, I, k, M, device_name=DEVICE_NAME if arch == 90 else f"sm_{arch}", arch=arch)
             for kind in ("gemm1", "gemm2"):
-                key = KernelKey.of(kind, cfg)
+                key = cfg.gemm(kind)
                 ck = (key, H, I)
                 if ck not in cache:
                     try:

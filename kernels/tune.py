@@ -421,41 +421,28 @@ def tune_batch_size(
 def offline_spill_check(shape: "TuneShape", device: torch.device) -> Callable[[MoEConfig], str | None]:
     """A spill_check for tune_batch_size: compiles both GEMMs of a config offline for this GPU's
     architecture (no launch) and rejects it when either uses local memory (register spills),
-    which no shipped config may do. Cached per GEMM config."""
-    import functools
-
+    which no shipped config may do. Cached per GEMM launch (MoEConfig.gemm)."""
     from . import sass
     from .moe_details.compile_check import compile_gemm
 
     major, minor = torch.cuda.get_device_capability(device)
     arch = 10 * major + minor
-
-    @functools.lru_cache(maxsize=None)
-    def local_bytes(kind: str, cfg: MoEConfig) -> int:
-        cubin = compile_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch).asm["cubin"]
-        return max(u.local_bytes for u in sass.resource_usage(cubin).values())
+    local_bytes: dict = {}
 
     def check(cfg: MoEConfig) -> str | None:
         for kind in ("gemm1", "gemm2"):
-            try:
-                n = local_bytes(kind, _gemm_view(kind, cfg))
-            except Exception:  # compile errors are reported by the timed run itself
-                return None
-            if n:
-                return f"{kind} spills {n} bytes of local memory per thread (sm_{arch})"
+            key = cfg.gemm(kind)
+            if key not in local_bytes:
+                try:
+                    cubin = compile_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch).asm["cubin"]
+                except Exception:  # compile errors are reported by the timed run itself
+                    return None
+                local_bytes[key] = max(u.local_bytes for u in sass.resource_usage(cubin).values())
+            if local_bytes[key]:
+                return f"{kind} spills {local_bytes[key]} bytes of local memory per thread (sm_{arch})"
         return None
 
     return check
-
-
-def _gemm_view(kind: str, cfg: MoEConfig) -> MoEConfig:
-    """cfg with the other GEMM's knobs reset, so the cache is keyed by what the GEMM compiles."""
-    d = MoEConfig()
-    if kind == "gemm1":
-        return dataclasses.replace(cfg, block_n2=d.block_n2, block_k2=d.block_k2, split_k2=d.split_k2,
-                                   num_warps2=d.num_warps2, num_stages2=d.num_stages2, atomic_reduce=False)
-    return dataclasses.replace(cfg, block_n1=d.block_n1, block_k1=d.block_k1, split_k1=d.split_k1,
-                               num_warps1=d.num_warps1, num_stages1=d.num_stages1)
 
 
 def _parse_batch_sizes(text: str) -> list[int]:

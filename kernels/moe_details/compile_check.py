@@ -38,11 +38,15 @@ def _source(fn, args: dict, consts: dict):
     return ASTSource(fn, sig, constexprs=cx, attrs=attrs)
 
 
+def _require_compiler() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+
+
 def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, dtype: str = "bf16"):
     """Compile GEMM1 ("gemm1", with SiTU) or GEMM2 ("gemm2") at one MoEConfig for sm<arch>, with
     the specialisations of a real launch. Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    _require_compiler()
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -50,49 +54,39 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     from . import kernels as K
 
     tl_dtype = {"bf16": tl.bfloat16, "fp16": tl.float16}[dtype]
-    target = GPUTarget("cuda", arch, 32)
+    g = config.gemm(kind)
     if kind == "gemm1":
-        sk, warps, stages = config.split_k1, config.num_warps1, config.num_stages1
-        fn = K.gemm1_gated_kernel
+        fn, K_dim = K.gemm1_gated_kernel, H
         args = dict(x_ptr=f"*{dtype}", stride_xm=H, stride_xk=1, w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32",
-                    k_tiles=-(-H // 64), out_ptr="*fp32" if sk > 1 else f"*{dtype}", sorted_ids_ptr="*i32",
+                    k_tiles=-(-H // 64), out_ptr="*fp32" if g.split_k > 1 else f"*{dtype}", sorted_ids_ptr="*i32",
                     block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I,
                     beta=4.0, linear_beta=25.0)
-        consts = dict(ACT=0, HAS_LINEAR_BETA=True, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
-                      EVEN_K=H % config.block_k1 == 0)
-    elif kind == "gemm2":
-        sk, warps, stages = config.split_k2, config.num_warps2, config.num_stages2
-        fn = K.gemm2_combine_kernel
+        consts = dict(ACT=0, HAS_LINEAR_BETA=True)
+    else:
+        fn, K_dim = K.gemm2_combine_kernel, I
         args = dict(a_ptr=f"*{dtype}", w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32", k_tiles=-(-I // 64),
                     topk_w_ptr="*fp32", out_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                     num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I, scale=1.0)
-        use_atomic = config.atomic_reduce or sk > 1
-        consts = dict(USE_ATOMIC=use_atomic, ROW_IS_TOKEN=config.atomic_reduce,
-                      BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, EVEN_K=I % config.block_k2 == 0)
-    else:
-        raise ValueError(f"kind: expected 'gemm1' or 'gemm2', got {kind!r}")
-    consts.update(BLOCK_M=config.block_m, SPLIT_K=sk, SWAP_AB=config.swap_ab, DOT_DTYPE=tl_dtype,
-                  PRECISION=None, USE_ASM=True)
-    return triton.compile(_source(fn, args, consts), target=target,
-                          options={"num_warps": warps, "num_stages": stages})
+        consts = dict(USE_ATOMIC=g.atomic_reduce or g.split_k > 1, ROW_IS_TOKEN=g.atomic_reduce)
+    consts.update(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, SWAP_AB=g.swap_ab,
+                  DOT_DTYPE=tl_dtype, PRECISION=None, USE_ASM=True, EVEN_K=K_dim % g.block_k == 0)
+    return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": g.num_warps, "num_stages": g.num_stages})
 
 
 def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E: int = 896) -> list[dict]:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    _require_compiler()
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
 
     from . import kernels as K
     from . import routing_kernels as RK
+    from .config import MoEConfig
 
     target = GPUTarget("cuda", arch, 32)
     results = []
 
-    def run(name, fn, args, consts, num_warps=4, num_stages=3):
-        c = triton.compile(_source(fn, args, consts), target=target,
-                           options={"num_warps": num_warps, "num_stages": num_stages})
+    def record(name, c):
         ttgir = c.asm["ttgir"]
         results.append({
             "kernel": name,
@@ -103,22 +97,17 @@ def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E:
             "triton": triton.__version__,
         })
 
+    def run(name, fn, args, consts, num_warps=4, num_stages=3):
+        record(name, triton.compile(_source(fn, args, consts), target=target,
+                                    options={"num_warps": num_warps, "num_stages": num_stages}))
+
     # (block_m, swap_ab, block_n, block_k, split_k, warps): decode and prefill shapes.
     for bm, swap, bn, bk, sk, nw in [(16, True, 64, 128, 4, 4), (64, False, 128, 128, 1, 8)]:
         tag = f"bm{bm}_{'swap' if swap else 'noswap'}_bn{bn}_bk{bk}_sk{sk}"
-        common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, SWAP_AB=swap, DOT_DTYPE=tl.bfloat16, PRECISION=None,
-                      USE_ASM=True, EVEN_K=False)
-        run(f"gemm1_{tag}", K.gemm1_gated_kernel,
-            dict(x_ptr="*bf16", stride_xm=H, stride_xk=1, w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32",
-                 k_tiles=-(-H // 64), out_ptr="*fp32" if sk > 1 else "*bf16", sorted_ids_ptr="*i32",
-                 block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I, beta=4.0,
-                 linear_beta=25.0),
-            dict(ACT=0, HAS_LINEAR_BETA=True, **common), num_warps=nw)
-        run(f"gemm2_{tag}", K.gemm2_combine_kernel,
-            dict(a_ptr="*bf16", w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32", k_tiles=-(-I // 64),
-                 topk_w_ptr="*fp32", out_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                 num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I, scale=1.0),
-            dict(USE_ATOMIC=sk > 1, ROW_IS_TOKEN=False, **common), num_warps=nw)
+        cfg = MoEConfig(block_m=bm, swap_ab=swap, block_n1=bn, block_k1=bk, split_k1=sk, num_warps1=nw,
+                        block_n2=bn, block_k2=bk, split_k2=sk, num_warps2=nw)
+        for kind in ("gemm1", "gemm2"):
+            record(f"{kind}_{tag}", compile_gemm(kind, cfg, H, I, top_k, arch))
     run("gated_activation", K.gated_activation_kernel,
         dict(part_ptr="*fp32", out_ptr="*bf16", num_padded_ptr="*i32", I=I,
              max_padded=256, beta=4.0, linear_beta=25.0),

@@ -96,6 +96,16 @@ class MoEConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def gemm(self, kind: str) -> "GemmLaunch":
+        """The knobs GEMM1 ("gemm1") or GEMM2 ("gemm2") compiles with."""
+        if kind == "gemm1":
+            return GemmLaunch(kind, self.block_m, self.swap_ab, self.block_n1, self.block_k1, self.split_k1,
+                              self.num_warps1, self.num_stages1, False)
+        if kind == "gemm2":
+            return GemmLaunch(kind, self.block_m, self.swap_ab, self.block_n2, self.block_k2, self.split_k2,
+                              self.num_warps2, self.num_stages2, self.atomic_reduce)
+        raise ValueError(f"kind: expected 'gemm1' or 'gemm2', got {kind!r}")
+
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -103,6 +113,32 @@ class MoEConfig:
         if unknown:
             raise ValueError(f"MoEConfig: unknown keys {sorted(unknown)} (known: {sorted(known)})")
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class GemmLaunch:
+    """One GEMM's share of a MoEConfig: what its compiled binary depends on (a cache key for
+    offline compiles; see MoEConfig.gemm)."""
+
+    kind: str  # "gemm1" (gate + up, SiTU/SiLU epilogue) or "gemm2" (down, top-k combine)
+    block_m: int
+    swap_ab: bool
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    atomic_reduce: bool  # GEMM2 only
+
+    @property
+    def weights_per_iteration(self) -> int:
+        """Weight elements one K-loop iteration of a program consumes (GEMM1: gate and up rows)."""
+        rows = 2 * self.block_n if self.kind == "gemm1" else self.block_n
+        return rows * self.block_k
+
+    def label(self) -> str:
+        return (f"bm{self.block_m} {'swap' if self.swap_ab else 'noswap'} bn{self.block_n} bk{self.block_k}"
+                f" sk{self.split_k} w{self.num_warps} s{self.num_stages}")
 
 
 @functools.lru_cache(maxsize=16)

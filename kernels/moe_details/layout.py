@@ -45,6 +45,8 @@ E2M1_BF16_EXP_OFFSET = 126
 # Dequantized bf16 weights carry 2^-ACC_SHIFT; the kernels undo it on the fp32 accumulator.
 ACC_SHIFT = 7
 ACC_SCALE = float(2**ACC_SHIFT)
+# Stored bf16 block scale = e4m3 scale x this (the bit-placed E2M1's 2^-126, less ACC_SHIFT).
+_BF16_SCALE_FACTOR = 2.0 ** (E2M1_BF16_EXP_OFFSET - ACC_SHIFT)
 
 SIGN_MASK = 0x80008000
 MAG_MASK = 0x01C001C0
@@ -168,77 +170,74 @@ def unpack_e2m1_tiles(tiles: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _tile_scales(values: torch.Tensor, lay: FP4TileLayout) -> torch.Tensor:
-    """[..., rows, k_padded/16] -> [..., R, KT, 64] in per-tile order (g, s, row half)."""
+    """Block-scale values in the kernels' form [..., rows, <= k_padded/16] (zero-padded to
+    k_padded) -> bf16 [..., R, KT, 64] in per-tile order (g, s, row half)."""
+    pad = lay.k_padded // formats.NVFP4_BLOCK - values.shape[-1]
+    if pad:
+        values = torch.nn.functional.pad(values, (0, pad))
     lead = values.shape[:-2]
     v = values.reshape(*lead, lay.row_tiles, 2, 8, lay.k_tiles, 4)  # R hh g KT s
     n = len(lead)
     v = v.permute(*range(n), n + 0, n + 3, n + 2, n + 4, n + 1)
-    return v.reshape(*lead, *lay.scale_shape).contiguous()
+    return v.reshape(*lead, *lay.scale_shape).to(torch.bfloat16).contiguous()
 
 
-def _untile_scales(tiles: torch.Tensor, lay: FP4TileLayout) -> torch.Tensor:
+def _block_scales(tiles: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of _tile_scales without the 2^(126 - ACC_SHIFT) factor: bf16 [..., R, KT, 64] ->
+    float32 block scales [..., 16R, k/16]."""
+    if tiles.dtype != torch.bfloat16 or tiles.dim() < 3 or tiles.shape[-1] != TILE_SCALES:
+        raise ValueError(f"scale tiles: expected bf16 [..., R, KT, {TILE_SCALES}], got {tiles.dtype} {tuple(tiles.shape)}")
+    lay = FP4TileLayout(tiles.shape[-3] * TILE_ROWS, k)
     lead = tiles.shape[:-3]
-    v = tiles.reshape(*lead, lay.row_tiles, lay.k_tiles, 8, 4, 2)  # R KT g s hh
+    v = (tiles.float() / _BF16_SCALE_FACTOR).reshape(*lead, lay.row_tiles, lay.k_tiles, 8, 4, 2)  # R KT g s hh
     n = len(lead)
     v = v.permute(*range(n), n + 0, n + 4, n + 2, n + 1, n + 3)
-    return v.reshape(*lead, lay.rows, lay.k_padded // formats.NVFP4_BLOCK)
+    return v.reshape(*lead, lay.rows, lay.k_padded // formats.NVFP4_BLOCK)[..., : k // formats.NVFP4_BLOCK]
 
 
-_BF16_SCALE_FACTOR = 2.0 ** (E2M1_BF16_EXP_OFFSET - ACC_SHIFT)
-
-
-def pack_e4m3_scale_tiles(scale: torch.Tensor) -> torch.Tensor:
+def pack_e4m3_scale_tiles(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
     """E4M3 block scales (float8_e4m3fn or its uint8 bits) [..., rows, k/16] -> bf16
     [..., rows/16, ceil(k/64), 64] holding scale x 2^(126 - ACC_SHIFT) (exact). Padding blocks
-    are 0. NaN scale patterns are refused."""
+    are 0. NaN scale patterns are refused; errors name the tensor ``name``."""
     if scale.dtype == torch.uint8:
         scale = scale.view(torch.float8_e4m3fn)
     if scale.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"scale: expected float8_e4m3fn (or uint8 bits), got {scale.dtype}")
+        raise TypeError(f"{name}: expected float8_e4m3fn (or uint8 bits), got {scale.dtype}")
     *lead, rows, groups = scale.shape
     lay = FP4TileLayout(rows, groups * formats.NVFP4_BLOCK)
     v = scale.float()
     if torch.isnan(v).any():
-        raise ValueError("scale: holds E4M3 NaN patterns (0x7F/0xFF); NVFP4 block scales must be finite")
-    pad = lay.k_padded // formats.NVFP4_BLOCK - groups
-    if pad:
-        v = torch.nn.functional.pad(v, (0, pad))
-    return _tile_scales(v * _BF16_SCALE_FACTOR, lay).to(torch.bfloat16)
+        raise ValueError(f"{name}: holds E4M3 NaN patterns (0x7F/0xFF); NVFP4 block scales must be finite")
+    return _tile_scales(v * _BF16_SCALE_FACTOR, lay)
 
 
 def unpack_e4m3_scale_tiles(tiles: torch.Tensor, k: int) -> torch.Tensor:
     """Inverse of :func:`pack_e4m3_scale_tiles`: bf16 [..., R, KT, 64] -> float8_e4m3fn [..., 16R, k/16]."""
-    if tiles.dtype != torch.bfloat16 or tiles.shape[-1] != TILE_SCALES:
-        raise ValueError(f"scale tiles: expected bf16 [..., R, KT, {TILE_SCALES}], got {tiles.dtype} {tuple(tiles.shape)}")
-    lay = FP4TileLayout(tiles.shape[-3] * TILE_ROWS, k)
-    v = _untile_scales(tiles.float() / _BF16_SCALE_FACTOR, lay)[..., : k // formats.NVFP4_BLOCK]
-    return v.to(torch.float8_e4m3fn).contiguous()
+    return _block_scales(tiles, k).to(torch.float8_e4m3fn).contiguous()
 
 
-def pack_e8m0_scale_tiles(e8m0: torch.Tensor, scale_2_exp: torch.Tensor) -> torch.Tensor:
+def pack_e8m0_scale_tiles(e8m0: torch.Tensor, scale_2_exp: torch.Tensor, name: str = "e8m0") -> torch.Tensor:
     """MXFP4 block exponents uint8 [..., rows, k/32] (value 2^(e - 127), one per 32 elements) and
     the per-matrix exponent m (int, [...] or a scalar) of scale_2 = 2^m -> bf16 scale tiles
     [..., rows/16, ceil(k/64), 64] such that the kernel's weight equals
     e2m1 x 2^(e - 127) exactly: each 16-block gets 2^(e - 127 - m) x 2^(126 - ACC_SHIFT).
 
     Exact where that power of two is a bf16 (e - 127 - m + 119 in [-133, 127]); refused
-    otherwise with the count of blocks out of range. e8m0 = 255 (NaN) is refused."""
+    otherwise with the count of blocks out of range. e8m0 = 255 (NaN) is refused; errors name
+    the tensor ``name``."""
     if e8m0.dtype != torch.uint8:
-        raise TypeError(f"e8m0: expected uint8, got {e8m0.dtype}")
+        raise TypeError(f"{name}: expected uint8, got {e8m0.dtype}")
     if (e8m0 == formats.E8M0_NAN).any():
-        raise ValueError("e8m0: holds 255 (the E8M0 NaN); MXFP4 block exponents must be finite")
+        raise ValueError(f"{name}: holds 255 (the E8M0 NaN); MXFP4 block exponents must be finite")
     *lead, rows, blocks32 = e8m0.shape
     m = torch.as_tensor(scale_2_exp, dtype=torch.int64, device=e8m0.device)
     exp = e8m0.to(torch.int64) - formats.E8M0_BIAS - m.reshape(*m.shape, *([1] * 2)) + (E2M1_BF16_EXP_OFFSET - ACC_SHIFT)
     bad = (exp < -133) | (exp > 127)
     if bad.any():
-        raise ValueError(f"e8m0: {int(bad.sum())} block exponents fall outside bf16 for the given scale_2 exponent")
+        raise ValueError(f"{name}: {int(bad.sum())} block exponents fall outside bf16 for the given scale_2 exponent")
     v = torch.exp2(exp.double()).repeat_interleave(2, dim=-1)  # two 16-blocks per 32-block
     lay = FP4TileLayout(rows, blocks32 * formats.MXFP4_BLOCK)
-    pad = lay.k_padded // formats.NVFP4_BLOCK - v.shape[-1]
-    if pad:
-        v = torch.nn.functional.pad(v, (0, pad))
-    return _tile_scales(v, lay).to(torch.bfloat16)
+    return _tile_scales(v, lay)
 
 
 def dequantize_tiles(tiles: torch.Tensor, scale_tiles: torch.Tensor, k: int) -> torch.Tensor:
@@ -246,6 +245,5 @@ def dequantize_tiles(tiles: torch.Tensor, scale_tiles: torch.Tensor, k: int) -> 
     bf16 [..., R, KT, 64] -> float32 [..., 16R, k] = e2m1 x block scale (exact). What the
     kernels multiply, before the fp32 scale_2 x 2^ACC_SHIFT on the accumulator."""
     codes = formats.unpack_e2m1(unpack_e2m1_tiles(tiles, k))
-    lay = FP4TileLayout(tiles.shape[-3] * TILE_ROWS, k)
-    scale = _untile_scales(scale_tiles.float() / _BF16_SCALE_FACTOR, lay)[..., : k // formats.NVFP4_BLOCK]
+    scale = _block_scales(scale_tiles, k)
     return formats.e2m1_to_float(codes) * scale.repeat_interleave(formats.NVFP4_BLOCK, dim=-1)

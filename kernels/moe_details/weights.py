@@ -106,20 +106,12 @@ class NVFP4MoEWeights:
         _shape(w13_scale, "w13_scale", (E, 2 * I, H // 16))
         _shape(w2_scale, "w2_scale", (E, H, I // 16))
         _same_device(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
-        try:
-            s13 = layout.pack_e4m3_scale_tiles(w13_scale)
-        except ValueError as e:
-            raise ValueError(f"w13_scale: {e}") from None
-        try:
-            s2 = layout.pack_e4m3_scale_tiles(w2_scale)
-        except ValueError as e:
-            raise ValueError(f"w2_scale: {e}") from None
         return cls(
             w13=layout.pack_e2m1_tiles(w13),
-            w13_scale=s13,
+            w13_scale=layout.pack_e4m3_scale_tiles(w13_scale, "w13_scale"),
             w13_scale_2=_gate_up_scale_2(w13_scale_2, E),
             w2=layout.pack_e2m1_tiles(w2),
-            w2_scale=s2,
+            w2_scale=layout.pack_e4m3_scale_tiles(w2_scale, "w2_scale"),
             w2_scale_2=w2_scale_2.reshape(E).contiguous(),
             hidden_size=H,
             intermediate_size=I,
@@ -154,10 +146,10 @@ class NVFP4MoEWeights:
         _shape(w2, "w2", (E, H, I // 2))
         _shape(w2_e8m0, "w2_e8m0", (E, H, I // 32))
         _same_device(w13, w13_e8m0, w2, w2_e8m0)
-        m13 = _mxfp4_scale_2_exp(w13_e8m0, "w13_e8m0")
-        m2 = _mxfp4_scale_2_exp(w2_e8m0, "w2_e8m0")
-        s13 = layout.pack_e8m0_scale_tiles(w13_e8m0, m13)
-        s2 = layout.pack_e8m0_scale_tiles(w2_e8m0, m2)
+        m13 = _mxfp4_scale_2_exp(w13_e8m0)
+        m2 = _mxfp4_scale_2_exp(w2_e8m0)
+        s13 = layout.pack_e8m0_scale_tiles(w13_e8m0, m13, "w13_e8m0")  # refuses NaN exponents
+        s2 = layout.pack_e8m0_scale_tiles(w2_e8m0, m2, "w2_e8m0")
         return cls(
             w13=layout.pack_e2m1_tiles(w13),
             w13_scale=s13,
@@ -225,10 +217,8 @@ def _same_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"NVFP4MoEWeights: all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-def _mxfp4_scale_2_exp(e8m0: torch.Tensor, name: str) -> torch.Tensor:
+def _mxfp4_scale_2_exp(e8m0: torch.Tensor) -> torch.Tensor:
     """Per expert m = k_max - 8, k_max over all its blocks (the closed-form cast's choice,
     kernels/cast.py), int64 [E]."""
-    if (e8m0 == formats.E8M0_NAN).any():
-        raise ValueError(f"{name}: holds 255 (the E8M0 NaN); MXFP4 block exponents must be finite")
     k_max = e8m0.flatten(1).amax(1).to(torch.int64) - formats.E8M0_BIAS
     return k_max - formats.E4M3_MAX_EXP2
