@@ -1,5 +1,6 @@
-"""One routed-expert MoE layer in NVFP4 (:class:`NVFP4MoELayer`: weights + config facts), and its
-loader from a ModelOpt NVFP4 checkpoint."""
+"""One routed-expert MoE layer in the kernels' layout (:class:`NVFP4MoELayer`: weights + config
+facts), and its loaders: from a ModelOpt NVFP4 checkpoint (the cast) and from the MXFP4 release
+itself (compressed-tensors E2M1 nibbles with E8M0 scales per 32, read without a cast)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from safetensors import safe_open
 
 from ..kernels import NVFP4MoEWeights
+from ..kernels.cast import MXFP4Weight, cast_expert
 from .layout import CONFIG_FILE, INDEX_FILE
 
 
@@ -41,6 +43,9 @@ class NVFP4MoELayer:
     routed_scaling_factor: float = 1.0
     layer: int | None = None  # layer number in the checkpoint (None: synthetic)
     source: str = ""
+    source_format: str = "nvfp4"  # "nvfp4" (ModelOpt / synthetic) or "mxfp4" (the release, no cast)
+    # MXFP4 sources only: the same experts through the closed-form cast (what k3nvfp4-cast writes).
+    cast_weights: NVFP4MoEWeights | None = None
 
     def activation_kwargs(self) -> dict:
         """activation / situ_beta / situ_linear_beta / routed_scaling_factor keyword arguments of
@@ -57,41 +62,53 @@ def _text_config(ckpt: Path) -> dict:
     return cfg.get("text_config", cfg)
 
 
-def load_moe_layer_nvfp4(
-    ckpt_dir: str | os.PathLike, layer: int, experts: Sequence[int] | None = None
-) -> NVFP4MoELayer:
-    """Read the routed experts of MoE layer ``layer`` from an NVFP4 checkpoint (as written by
-    ``k3nvfp4-cast``), stacked in SGLang's ModelOpt layout, with the layer's config facts. ``experts``: global expert ids to
-    load, in this order (default: all of the layer). Each shard is opened once, lazily."""
-    ckpt = Path(ckpt_dir)
+def load_moe_layer(ckpt_dir: str | os.PathLike, layer: int, experts: Sequence[int] | None = None) -> NVFP4MoELayer:
+    """The routed experts of MoE layer ``layer`` from a ModelOpt NVFP4 checkpoint (the cast) or
+    from the MXFP4 release (``weight_packed`` tensors), whichever ``ckpt_dir`` holds."""
+    names = _weight_map(Path(ckpt_dir))
+    if any(re.search(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight_packed$", n) for n in names):
+        return load_moe_layer_mxfp4(ckpt_dir, layer, experts)
+    return load_moe_layer_nvfp4(ckpt_dir, layer, experts)
+
+
+def _weight_map(ckpt: Path) -> dict[str, str]:
     index_path = ckpt / INDEX_FILE
     if not index_path.is_file():
         raise FileNotFoundError(f"{index_path}: no safetensors index; is {ckpt} a checkpoint?")
-    weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-    text = _text_config(ckpt)
+    return json.loads(index_path.read_text())["weight_map"]
 
-    pat = re.compile(
-        rf"^(?P<p>(?:language_model\.)?model\.layers\.{int(layer)}\.block_sparse_moe\.experts)\.(?P<e>\d+)\.w[123]\.weight$"
+
+def _expert_pattern(layer: int, suffix: str) -> re.Pattern:
+    return re.compile(
+        rf"^(?P<p>(?:language_model\.)?model\.layers\.{int(layer)}\.block_sparse_moe\.experts)\.(?P<e>\d+)\.w[123]\.{suffix}$"
     )
+
+
+@dataclass
+class _ExpertTensors:
+    ids: tuple[int, ...]
+    num_found: int
+    get: Callable[[str, str], torch.Tensor]  # (proj, suffix) -> [E, ...] stacked over ids
+    text: dict
+
+
+def _read_experts(ckpt: Path, layer: int, experts: Sequence[int] | None, suffixes: tuple[str, ...],
+                  not_found_hint: str) -> _ExpertTensors:  # fmt: skip
+    """Stacked per-expert tensors ``suffixes`` of w1/w3/w2; each shard opened once."""
+    weight_map = _weight_map(ckpt)
     found: dict[int, str] = {}
     for name in weight_map:
-        m = pat.match(name)
+        m = _expert_pattern(layer, suffixes[0]).match(name)
         if m:
             found[int(m["e"])] = m["p"]
     if not found:
-        mx = [n for n in weight_map if re.search(rf"\.layers\.{int(layer)}\.block_sparse_moe\.experts\.\d+\.w[123]\.weight_packed$", n)]
-        hint = " (it holds MXFP4 weight_packed tensors: cast it with k3nvfp4-cast first)" if mx else ""
-        raise KeyError(f"{ckpt}: no NVFP4 routed experts for layer {layer} in {INDEX_FILE}{hint}")
+        kind = "MXFP4" if suffixes[0] == "weight_packed" else "NVFP4"
+        raise KeyError(f"{ckpt}: no {kind} routed experts for layer {layer} in {INDEX_FILE}{not_found_hint}")
     expert_ids = tuple(sorted(found)) if experts is None else tuple(int(e) for e in experts)
     missing = [e for e in expert_ids if e not in found]
     if missing:
         raise KeyError(f"{ckpt}: layer {layer} has no expert(s) {missing[:8]} (found {len(found)} experts)")
-
-    wanted: list[str] = []
-    for e in expert_ids:
-        base = f"{found[e]}.{e}"
-        for w in ("w1", "w3", "w2"):
-            wanted += [f"{base}.{w}.weight", f"{base}.{w}.weight_scale", f"{base}.{w}.weight_scale_2"]
+    wanted = [f"{found[e]}.{e}.{w}.{suf}" for e in expert_ids for w in ("w1", "w3", "w2") for suf in suffixes]
     by_shard: dict[str, list[str]] = defaultdict(list)
     for name in wanted:
         if name not in weight_map:
@@ -109,24 +126,14 @@ def load_moe_layer_nvfp4(
                     raise KeyError(f"{path}: tensor {name} (named by the index) is absent")
                 got[name] = f.get_tensor(name)
 
-    def stack(w: str, suffix: str) -> torch.Tensor:
+    def get(w: str, suffix: str) -> torch.Tensor:
         return torch.stack([got[f"{found[e]}.{e}.{w}.{suffix}"] for e in expert_ids])
 
-    w1, w3 = stack("w1", "weight"), stack("w3", "weight")
-    s1, s3 = stack("w1", "weight_scale"), stack("w3", "weight_scale")
-    for t, n, dt in ((w1, "w1.weight", torch.uint8), (s1, "w1.weight_scale", torch.float8_e4m3fn)):
-        if t.dtype != dt:
-            raise TypeError(f"{ckpt}: layer {layer} {n} has dtype {t.dtype}, expected {dt} (ModelOpt NVFP4)")
-    weights = NVFP4MoEWeights.from_modelopt(
-        torch.cat([w1, w3], dim=1),
-        torch.cat([s1, s3], dim=1),
-        torch.stack(
-            [stack("w1", "weight_scale_2").reshape(-1), stack("w3", "weight_scale_2").reshape(-1)], dim=1
-        ).to(torch.float32),
-        stack("w2", "weight"),
-        stack("w2", "weight_scale"),
-        stack("w2", "weight_scale_2").reshape(-1).to(torch.float32),
-    )
+    return _ExpertTensors(expert_ids, len(found), get, _text_config(ckpt))
+
+
+def _layer(weights: NVFP4MoEWeights, t: _ExpertTensors, ckpt: Path, layer: int, **extra) -> NVFP4MoELayer:
+    text, ids = t.text, t.ids
     return NVFP4MoELayer(
         weights=weights,
         hidden_act=text.get("hidden_act", "silu"),
@@ -134,8 +141,73 @@ def load_moe_layer_nvfp4(
         situ_linear_beta=text.get("activation_situ_linear_beta"),
         top_k=int(text.get("num_experts_per_token", text.get("num_experts_per_tok", 0))),
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
-        experts=expert_ids,
-        num_global_experts=int(text.get("num_experts", len(found))),
+        experts=ids,
+        num_global_experts=int(text.get("num_experts", t.num_found)),
         layer=int(layer),
-        source=f"{ckpt} layer {layer} experts {expert_ids[0]}..{expert_ids[-1]} ({len(expert_ids)})",
+        source=f"{ckpt} layer {layer} experts {ids[0]}..{ids[-1]} ({len(ids)})",
+        **extra,
+    )
+
+
+def load_moe_layer_nvfp4(
+    ckpt_dir: str | os.PathLike, layer: int, experts: Sequence[int] | None = None
+) -> NVFP4MoELayer:
+    """Read the routed experts of MoE layer ``layer`` from an NVFP4 checkpoint (as written by
+    ``k3nvfp4-cast``), stacked in SGLang's ModelOpt layout, with the layer's config facts. ``experts``: global expert ids to
+    load, in this order (default: all of the layer). Each shard is opened once, lazily."""
+    ckpt = Path(ckpt_dir)
+    mx = any(_expert_pattern(layer, "weight_packed").match(n) for n in _weight_map(ckpt))
+    hint = (" (it holds MXFP4 weight_packed tensors: cast it with k3nvfp4-cast, or read it directly with "
+            "load_moe_layer_mxfp4)") if mx else ""  # fmt: skip
+    t = _read_experts(ckpt, layer, experts, ("weight", "weight_scale", "weight_scale_2"), hint)
+    w1, w3 = t.get("w1", "weight"), t.get("w3", "weight")
+    s1, s3 = t.get("w1", "weight_scale"), t.get("w3", "weight_scale")
+    for x, n, dt in ((w1, "w1.weight", torch.uint8), (s1, "w1.weight_scale", torch.float8_e4m3fn)):
+        if x.dtype != dt:
+            raise TypeError(f"{ckpt}: layer {layer} {n} has dtype {x.dtype}, expected {dt} (ModelOpt NVFP4)")
+    weights = NVFP4MoEWeights.from_modelopt(
+        torch.cat([w1, w3], dim=1),
+        torch.cat([s1, s3], dim=1),
+        torch.stack([t.get("w1", "weight_scale_2").reshape(-1), t.get("w3", "weight_scale_2").reshape(-1)], dim=1).to(torch.float32),
+        t.get("w2", "weight"),
+        t.get("w2", "weight_scale"),
+        t.get("w2", "weight_scale_2").reshape(-1).to(torch.float32),
+    )
+    return _layer(weights, t, ckpt, layer)
+
+
+def load_moe_layer_mxfp4(
+    ckpt_dir: str | os.PathLike, layer: int, experts: Sequence[int] | None = None
+) -> NVFP4MoELayer:
+    """The routed experts of MoE layer ``layer`` of the MXFP4 release (compressed-tensors
+    ``weight_packed`` uint8 [rows, K/2] + ``weight_scale`` E8M0 uint8 [rows, K/32]), read
+    directly into the kernels' layout (``NVFP4MoEWeights.from_mxfp4``); ``cast_weights`` holds
+    the same experts through the closed-form cast, for comparisons."""
+    ckpt = Path(ckpt_dir)
+    t = _read_experts(ckpt, layer, experts, ("weight_packed", "weight_scale"), "")
+    packed = {w: t.get(w, "weight_packed") for w in ("w1", "w3", "w2")}
+    e8m0 = {w: t.get(w, "weight_scale") for w in ("w1", "w3", "w2")}
+    for w in packed:
+        for x, n in ((packed[w], "weight_packed"), (e8m0[w], "weight_scale")):
+            if x.dtype != torch.uint8:
+                raise TypeError(f"{ckpt}: layer {layer} {w}.{n} has dtype {x.dtype}, expected uint8 (MXFP4)")
+    weights = NVFP4MoEWeights.from_mxfp4(
+        torch.cat([packed["w1"], packed["w3"]], dim=1), torch.cat([e8m0["w1"], e8m0["w3"]], dim=1),
+        packed["w2"], e8m0["w2"],
+    )  # fmt: skip
+    return _layer(weights, t, ckpt, layer, source_format="mxfp4", cast_weights=cast_moe_weights(packed, e8m0))
+
+
+def cast_moe_weights(packed: dict[str, torch.Tensor], e8m0: dict[str, torch.Tensor]) -> NVFP4MoEWeights:
+    """The closed-form cast (kernels.cast.cast_expert, what k3nvfp4-cast writes) of stacked MXFP4
+    experts {"w1", "w3", "w2": [E, rows, K/2]} / {...: [E, rows, K/32]}, in the kernels' layout."""
+    casts = [cast_expert(*(MXFP4Weight(packed[w][e], e8m0[w][e], f"expert {e} {w}") for w in ("w1", "w3", "w2")),
+                         backend="torch") for e in range(packed["w1"].shape[0])]  # fmt: skip
+    return NVFP4MoEWeights.from_modelopt(
+        torch.stack([torch.cat([c[0].packed, c[1].packed]) for c in casts]),
+        torch.stack([torch.cat([c[0].scale, c[1].scale]) for c in casts]),
+        torch.stack([torch.stack([c[0].scale_2, c[1].scale_2]) for c in casts]).to(torch.float32),
+        torch.stack([c[2].packed for c in casts]),
+        torch.stack([c[2].scale for c in casts]),
+        torch.stack([c[2].scale_2 for c in casts]).reshape(-1).to(torch.float32),
     )

@@ -191,18 +191,23 @@ def prepare_layer_for_triton_situ(layer: Any) -> Any:
     setattr(layer, WEIGHTS_ATTR, weights)
     layer.w13_blockscale_swizzled = None
     layer.w2_blockscale_swizzled = None
-    # If the kernels' layout is a repacked copy, the checkpoint-layout tensors are dead weight.
+    free_checkpoint_params(layer, weights, _MODELOPT_PARAMS)
+    log_active_once(layer, weights, source="ModelOpt NVFP4 (E4M3 scales per 16)")
+    return weights
+
+
+def free_checkpoint_params(layer: Any, weights: Any, names: tuple[str, ...]) -> None:
+    """Empty the checkpoint-layout parameters ``names`` that ``weights`` does not share storage
+    with: the kernels read their own tiled copy, the originals would be dead weight."""
     kept = _storages(weights)
-    for name in _MODELOPT_PARAMS:
+    for name in names:
         param = getattr(layer, name, None)
         if isinstance(param, torch.Tensor) and param.numel():
             if param.untyped_storage().data_ptr() not in kept:
                 param.data = param.data.new_empty((0,) * param.dim())
-    _log_active_once(layer, weights)
-    return weights
 
 
-def _log_active_once(layer: Any, weights: Any) -> None:
+def log_active_once(layer: Any, weights: Any, source: str) -> None:
     """One INFO line per process at load: the backend is active, with shapes and layout."""
     global _logged_active
     if _logged_active:
@@ -212,8 +217,8 @@ def _log_active_once(layer: Any, weights: Any) -> None:
     logger.info(
         "k3nvfp4: MoE runner backend %s active: %d local of %d experts, hidden %d, "
         "intermediate/rank %d, moe tp %d/ep %d, activation %s (beta=%s, linear_beta=%s), "
-        "layout %s w13 %s + w2 %s kernel-native FP4 tiles (bit-placed e2m1, bf16 block-16 "
-        "scales), gate/up scale_2 separate, on %s",
+        "weights from %s, layout %s w13 %s + w2 %s kernel-native FP4 tiles (bit-placed e2m1, "
+        "bf16 block-16 scales), gate/up scale_2 separate, on %s",
         BACKEND_NAME,
         layer.num_local_experts,
         layer.num_experts,
@@ -224,6 +229,7 @@ def _log_active_once(layer: Any, weights: Any) -> None:
         config.activation,
         config.gemm1_alpha,
         config.gemm1_clamp_limit,
+        source,
         type(weights).__name__,
         list(weights.w13.shape),
         list(weights.w2.shape),
@@ -245,19 +251,7 @@ def apply_hook(original_fn, self, layer, dispatch_output):
     backend = _selected_backend(self)
     activation = self.moe_runner_config.activation
     if is_triton_situ(backend):
-        from .runner import SUPPORTED_ACTIVATIONS, TritonSituMoeQuantInfo
-
-        if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(
-                f"{BACKEND_NAME} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}"
-            )
-        weights = getattr(layer, WEIGHTS_ATTR, None)
-        if weights is None:
-            raise RuntimeError(
-                f"{BACKEND_NAME}: layer {getattr(layer, 'layer_name', '?')!r} has no NVFP4 "
-                "kernel weights; process_weights_after_loading did not run"
-            )
-        return self.runner.run(dispatch_output, TritonSituMoeQuantInfo(weights=weights))
+        return run_triton_situ(self, layer, dispatch_output)
     if (
         backend is not None
         and backend.is_marlin()
@@ -269,6 +263,22 @@ def apply_hook(original_fn, self, layer, dispatch_output):
         quant_info = self.get_marlin_quant_info(layer)
         return self.runner.run(dispatch_output, quant_info)
     return original_fn(self, layer, dispatch_output)
+
+
+def run_triton_situ(method: Any, layer: Any, dispatch_output: Any) -> Any:
+    """The body of ``apply`` for triton_situ (ModelOpt NVFP4 and MXFP4 methods alike)."""
+    from .runner import SUPPORTED_ACTIVATIONS, TritonSituMoeQuantInfo
+
+    activation = method.moe_runner_config.activation
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"{BACKEND_NAME} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}")
+    weights = getattr(layer, WEIGHTS_ATTR, None)
+    if weights is None:
+        raise RuntimeError(
+            f"{BACKEND_NAME}: layer {getattr(layer, 'layer_name', '?')!r} has no kernel weights; "
+            "process_weights_after_loading did not run"
+        )
+    return method.runner.run(dispatch_output, TritonSituMoeQuantInfo(weights=weights))
 
 
 HOOKS = (

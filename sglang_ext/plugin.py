@@ -2,8 +2,9 @@
 
 1. ``--moe-runner-backend triton_situ``: the argparse choice (add_moe_runner_backend_choices)
    and the runner-core factory (register_moe_runner_core).
-2. HookRegistry AROUND hooks on ModelOptNvFp4FusedMoEMethod (see hooks.py); SGLang's
-   ``load_plugins()`` applies them right after the plugins ran.
+2. HookRegistry AROUND hooks on ModelOptNvFp4FusedMoEMethod (hooks.py: the cast NVFP4
+   checkpoint) and on Mxfp4MoEMethod (hooks_mxfp4.py: the MXFP4 release, read directly);
+   SGLang's ``load_plugins()`` applies them right after the plugins ran.
 3. ``K3NVFP4_LOAD_TIMEOUT_S`` -> SGLang's unbalanced-loading timeout (see load_timeout.py).
 
 SGLANG_PLUGINS filtering is SGLang's: ``load_plugins_by_group`` skips entry points whose
@@ -19,6 +20,14 @@ from . import BACKEND_NAME
 logger = logging.getLogger(__name__)
 
 _registered = False
+
+
+def all_hooks() -> tuple[tuple[str, object], ...]:
+    """(dotted SGLang target, AROUND hook) for every method the plugin hooks."""
+    from .hooks import HOOKS as MODELOPT_HOOKS
+    from .hooks_mxfp4 import HOOKS as MXFP4_HOOKS
+
+    return MODELOPT_HOOKS + MXFP4_HOOKS
 
 
 def register() -> None:
@@ -41,7 +50,6 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
 
-    from .hooks import HOOKS
     from .runner import make_runner_core
 
     # add_moe_runner_backend_choices is list.extend: guard it to stay idempotent.
@@ -49,7 +57,7 @@ def register() -> None:
         add_moe_runner_backend_choices([BACKEND_NAME])
     if BACKEND_NAME not in _CUSTOM_RUNNER_CORE_FACTORIES:
         register_moe_runner_core(BACKEND_NAME, make_runner_core)
-    for target, hook in HOOKS:
+    for target, hook in all_hooks():
         HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True
     logger.info(

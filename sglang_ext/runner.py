@@ -141,16 +141,18 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
 def make_runner_core(config: MoeRunnerConfig) -> TritonSituRunnerCore:
     """Factory given to ``register_moe_runner_core``.
 
-    Only ModelOpt NVFP4 MoE layers can feed this runner; a layer of another quantization
-    method that follows the global backend choice is refused here, at model construction.
+    Only ModelOpt NVFP4 MoE layers (the cast checkpoint) and MXFP4 MoE layers (the release,
+    read directly) can feed this runner; a layer of another quantization method that follows
+    the global backend choice is refused here, at model construction.
     """
     from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
     layer = config.layer
     method = getattr(layer, "quant_method", None)
-    if layer is not None and not isinstance(method, ModelOptNvFp4FusedMoEMethod):
+    if layer is not None and not isinstance(method, (ModelOptNvFp4FusedMoEMethod, Mxfp4MoEMethod)):
         raise ValueError(
-            f"--moe-runner-backend {BACKEND_NAME} serves ModelOpt NVFP4 MoE layers only; "
+            f"--moe-runner-backend {BACKEND_NAME} serves ModelOpt NVFP4 and MXFP4 MoE layers only; "
             f"layer {getattr(layer, 'layer_name', '?')!r} uses {type(method).__name__}"
         )
     return TritonSituRunnerCore(config)

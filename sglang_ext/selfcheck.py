@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Any, Sequence
@@ -24,18 +25,18 @@ def plugin_status() -> dict[str, Any]:
 
     load_plugins()
     from sglang.srt.layers.moe.moe_runner.runner import _CUSTOM_RUNNER_CORE_FACTORIES
-    from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4FusedMoEMethod
     from sglang.srt.model_executor.model_runner_components import load_model_utils
     from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES
 
-    from .hooks import HOOKS
+    from .plugin import all_hooks
 
     hooked = {}
-    for target, hook in HOOKS:
-        attr = target.rsplit(".", 1)[1]
-        fn = ModelOptNvFp4FusedMoEMethod.__dict__.get(attr)
+    for target, hook in all_hooks():
+        module_name, cls_name, attr = target.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        fn = cls.__dict__.get(attr)
         # HookRegistry's AROUND wrapper keeps the original in __wrapped__ and calls our hook.
-        hooked[attr] = fn is not None and hasattr(fn, "__wrapped__") and hook in _closure_cells(fn)
+        hooked[f"{cls_name}.{attr}"] = fn is not None and hasattr(fn, "__wrapped__") and hook in _closure_cells(fn)
     return {
         "backend_choice": BACKEND_NAME in MOE_RUNNER_BACKEND_CHOICES,
         "runner_core": BACKEND_NAME in _CUSTOM_RUNNER_CORE_FACTORIES,

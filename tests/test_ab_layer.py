@@ -152,7 +152,7 @@ def test_layer_cli_missing_layer_in_checkpoint(tmp_path, capsys):
                                     num_shards=1, top_k=1)
     rc = cli.main(["layer", "--ckpt", str(ck), "--layer", "7", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
-    assert rc == 2 and "--layer 7" in err and "no NVFP4 routed experts for layer 7" in err
+    assert rc == 2 and "--layer 7" in err and "no MXFP4 routed experts for layer 7" in err
 
 
 def test_layer_ab_on_cast_checkpoint(tmp_path):
@@ -169,6 +169,29 @@ def test_layer_ab_on_cast_checkpoint(tmp_path):
     assert (s["activation"], s["situ_beta"], s["situ_linear_beta"]) == ("situ", 4.0, 25.0)
     assert [a.name for a in rep.arms] == ["reference", "triton_situ"] and all(a.ok for a in rep.arms)
     assert rep.pairs[0].cosine > 0.9999
+
+
+def test_layer_ab_on_the_mxfp4_release(tmp_path):
+    """The MXFP4 checkpoint itself (no cast): triton_situ on it, triton_situ on its in-memory cast
+    and the reference; fp32 makes the direct read and the cast bit-identical."""
+    from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
+
+    mx = write_synthetic_checkpoint(tmp_path / "mx", num_layers=2, num_experts=4, hidden_size=64, intermediate_size=32,
+                                    num_shards=1, top_k=2)
+    rep = run_layer_ab(LayerABConfig(out_dir=tmp_path / "o", ckpt=mx, layer=1, tokens=8, dtype="float32"))
+    assert rep.setup["source_format"] == "mxfp4"
+    assert [a.name for a in rep.arms] == ["reference", "triton_situ", "triton_situ_cast", "marlin"]
+    assert all(rep.arm(n).ok for n in ("reference", "triton_situ", "triton_situ_cast"))
+    assert rep.arm("marlin").status.startswith("not available")
+    assert any("read directly" in n for n in rep.arm("triton_situ").notes)
+    same = rep.pair("triton_situ", "triton_situ_cast")
+    assert same.max_abs_err == 0.0 and same.exact_match == 1.0
+    assert rep.pair("triton_situ", "reference").rel_err < 1e-5
+    assert "| triton_situ | triton_situ_cast |" in (tmp_path / "o" / "summary.md").read_text()
+    # On an NVFP4 layer the cast arm says why it cannot run.
+    nv = run_layer_ab(LayerABConfig(out_dir=None, synthetic=True, num_experts=4, hidden_size=64, intermediate_size=32,
+                                    top_k=2, tokens=4, arms=("reference", "triton_situ_cast")))
+    assert nv.arm("triton_situ_cast").status.startswith("not available: the layer is NVFP4 already")
 
 
 @pytest.mark.gpu

@@ -3,6 +3,8 @@ from ModelOpt NVFP4 and from MXFP4 tensors, and equality with the closed-form ca
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -160,6 +162,29 @@ def test_from_mxfp4_equals_the_cast_and_the_mxfp4_values():
             assert not torch.equal(m13, c13)
 
 
+def test_from_mxfp4_all_zero_blocks():
+    """All-zero blocks stored with E8M0 0 (what MXFP4 quantizers write): the cast re-quantizes
+    their scale, from_mxfp4 keeps 2^-127; nibbles and every other block scale are bit-identical
+    and every value (signed zeros included) is equal."""
+    H, I = 96, 64
+    experts = [_mxfp4_expert(H, I, 120, 134, seed=20 + s) for s in range(2)]
+    for w in experts[0][0], experts[1][2]:
+        w.scale[3, 1] = 0
+        w.packed[3, 16:32] = torch.tensor([0x00, 0x08, 0x80, 0x88] * 4, dtype=torch.uint8)
+    with warnings.catch_warnings():  # all-zero blocks are not "deep" blocks
+        warnings.simplefilter("error")
+        mx = _from_mxfp4(experts)
+    cast, _ = _from_cast(experts)
+    assert torch.equal(mx.w13, cast.w13) and torch.equal(mx.w2, cast.w2)
+    m13, m2 = _values(mx)
+    c13, c2 = _values(cast)
+    assert torch.equal(m13, c13) and torch.equal(m2, c2)
+    assert torch.equal(m13.signbit(), c13.signbit()) and torch.equal(m2.signbit(), c2.signbit())
+    s_mx, s_cast = layout._block_scales(mx.w13_scale, H), layout._block_scales(cast.w13_scale, H)
+    differ = (s_mx != s_cast).nonzero().tolist()
+    assert all(e == 0 and r == 3 and b in (2, 3) for e, r, b in differ)  # only the zero block's two 16-blocks
+
+
 def test_from_mxfp4_runs_the_kernels_like_the_cast():
     """fused_moe_nvfp4 on weights prepared from MXFP4 and from the cast's NVFP4: equal outputs."""
     H, I = 64, 32
@@ -175,3 +200,22 @@ def test_from_mxfp4_refuses_nan_exponents():
     experts[0][2].scale[1, 0] = 255
     with pytest.raises(ValueError, match="w2_e8m0: holds 255"):
         _from_mxfp4(experts)
+
+
+def test_from_mxfp4_wide_exponent_spread_and_the_deep_block_warning():
+    """Exponents 0..31 next to a largest block of 150 in one matrix: packing takes every finite
+    exponent and the layout holds every MXFP4 value exactly (plain-torch read-back); the 24
+    blocks more than 126 binades below the largest (bf16-subnormal products in the kernel)
+    are counted in a warning that names the tensor."""
+    H, I = 64, 32
+    experts = [_mxfp4_expert(H, I, 120, 130, seed=5)]
+    w1_scale = experts[0][0].scale  # [I, H/32] = [32, 2]
+    w1_scale[:, 0] = torch.arange(0, 32, dtype=torch.uint8)
+    w1_scale[0, 1] = 150  # k_max of w13: blocks 0..23 lie more than 126 binades below
+    with pytest.warns(UserWarning, match=r"w13_e8m0: 24 non-zero MXFP4 blocks lie more than 126 binades"):
+        mx = _from_mxfp4(experts)
+    m13, _ = _values(mx)
+    assert torch.equal(m13[0, :I], _mx_values(experts[0][0].packed, experts[0][0].scale))
+    with warnings.catch_warnings():  # a 126-binade spread: no warning
+        warnings.simplefilter("error")
+        _from_mxfp4([_mxfp4_expert(H, I, 0, 126, seed=6)])

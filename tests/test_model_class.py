@@ -25,33 +25,22 @@ the other two through the command line.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3nvfp4.checkpoint.cli import main as cast_main
 from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
 
-# 4 layers: 0 dense + KDA, 1-2 MoE + KDA, 3 MoE + MLA (q_a/kv_a fused); experts straddle shards.
-SHAPE = dict(num_layers=4, num_experts=8, hidden_size=64, intermediate_size=64, top_k=4, num_shards=4, seed=11)
-MOE_LAYERS = (1, 2, 3)
-RSF = 2.5  # the self-check's default routed_scaling_factor override (checkpoint: 1.0)
+from model_check_helpers import MOE_LAYERS, RSF, SHAPE, cast_checkpoint, index_names, run_python, run_selfcheck
+
 # The "broken" copy: one tensor under a name SGLang does not know.
 RENAMED = "language_model.model.layers.2.self_attn.o_proj.weight"
 RENAMED_TO = "language_model.model.layers.2.self_attn.o_prj.weight"
 SWAPPED_EXPERT = 3  # the misread control: SGLang loads this expert's w1 as w3 and w3 as w1
-
-
-def _cast(src: Path, out: Path, *extra: str) -> Path:
-    assert cast_main(["--source_ckpt", str(src), "--output_ckpt", str(out), "--workers", "1", "--no-progress", *extra]) == 0
-    return out
 
 
 def _corrupt(good: Path, out: Path) -> Path:
@@ -90,25 +79,9 @@ out.write_text(json.dumps(runs))
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("k3model")
     src = write_synthetic_checkpoint(root / "mxfp4", **SHAPE)
-    padded = _cast(src, root / "nvfp4")
-    trimmed = _cast(src, root / "nvfp4-trimmed", "--trim-a-log")
+    padded = cast_checkpoint(src, root / "nvfp4")
+    trimmed = cast_checkpoint(src, root / "nvfp4-trimmed", "--trim-a-log")
     return {"padded": padded, "trimmed": trimmed, "broken": _corrupt(padded, root / "nvfp4-broken")}
-
-
-def _run(tmp: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1"}
-    env.pop("SGLANG_PLUGINS", None)
-    proc = subprocess.run([sys.executable, "-P", *argv], capture_output=True, text=True, timeout=900, env=env, cwd=tmp)
-    print(proc.stdout[-6000:])
-    return proc
-
-
-def _selfcheck(tmp: Path, name: str, *args: str) -> dict:
-    out = tmp / f"{name}.json"
-    proc = _run(tmp, ["-m", "k3nvfp4.sglang_ext.selfcheck", *args, "--json", str(out)])
-    assert proc.returncode == 0, (proc.stdout[-6000:], proc.stderr[-6000:])
-    assert "model-class self-check: PASSED" in proc.stdout
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +89,7 @@ def single(ckpts, tmp_path_factory) -> dict:
     """One process, one rank: the padded checkpoint, the broken copy, the misread control."""
     tmp = tmp_path_factory.mktemp("single")
     out = tmp / "single.json"
-    proc = _run(tmp, ["-c", _DRIVER, str(ckpts["padded"]), str(ckpts["broken"]), str(out), str(SWAPPED_EXPERT)])
+    proc = run_python(tmp, ["-c", _DRIVER, str(ckpts["padded"]), str(ckpts["broken"]), str(out), str(SWAPPED_EXPERT)])
     assert proc.returncode == 0, (proc.stdout[-6000:], proc.stderr[-6000:])
     good, broken, misread = json.loads(out.read_text())
     return {"good": good, "good_rank": good["ranks"][0], "broken": broken, "misread": misread}
@@ -126,7 +99,7 @@ def single(ckpts, tmp_path_factory) -> dict:
 def trimmed_truncated(ckpts, tmp_path_factory) -> dict:
     """The --trim-a-log cast, built with only its first 2 layers (SGLang's num_hidden_layers override)."""
     tmp = tmp_path_factory.mktemp("trimmed")
-    (run,) = _selfcheck(tmp, "trimmed", "--model", str(ckpts["trimmed"]), "--layers", "2")["runs"]
+    (run,) = run_selfcheck(tmp, "trimmed", "--model", str(ckpts["trimmed"]), "--layers", "2")["runs"]
     return run
 
 
@@ -134,12 +107,8 @@ def trimmed_truncated(ckpts, tmp_path_factory) -> dict:
 def parallel(ckpts, tmp_path_factory) -> dict:
     """TP2 then EP2 (TP2 x EP2) in two rank processes over gloo."""
     tmp = tmp_path_factory.mktemp("parallel")
-    tp, ep = _selfcheck(tmp, "parallel", "--model", str(ckpts["padded"]), "--parallel", "2x1,2x2")["runs"]
+    tp, ep = run_selfcheck(tmp, "parallel", "--model", str(ckpts["padded"]), "--parallel", "2x1,2x2")["runs"]
     return {"tp": tp, "ep": ep}
-
-
-def _index_names(ckpt: Path) -> list[str]:
-    return sorted(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"])
 
 
 # --- one rank ------------------------------------------------------------------------------
@@ -156,7 +125,7 @@ def test_sglang_path_and_model_class(single):
 
 def test_every_tensor_lands_vision_included(single, ckpts):
     r = single["good_rank"]
-    names = _index_names(ckpts["padded"])
+    names = index_names(ckpts["padded"])
     t = r["tensors"]
     assert t["skipped"] == [] and t["not_produced_by_iterator"] == []
     assert t["checkpoint"] == t["produced_by_iterator"] == t["landed"] == len(names)
@@ -234,7 +203,7 @@ def test_a_log_trimmed_form_and_truncated_model(trimmed_truncated, ckpts):
     (r,) = run["ranks"]
     assert [(a["form"], a["stored"]) for a in r["a_log"]] == [("trimmed", 6)] * 3
     assert r["num_hidden_layers"] == 2 and r["overrides"]["num_hidden_layers"] == 2
-    names = _index_names(ckpts["trimmed"])
+    names = index_names(ckpts["trimmed"])
     beyond = [n for n in names if (m := re.search(r"\.layers\.(\d+)\.", n)) and int(m.group(1)) >= 2]
     t = r["tensors"]
     assert t["beyond_truncated_model"] == len(beyond) > 0 and t["skipped"] == []
@@ -277,7 +246,7 @@ def test_misread_expert_is_caught(single):
 
 
 def test_tp2_and_ep2(parallel, ckpts):
-    names = set(_index_names(ckpts["padded"]))
+    names = set(index_names(ckpts["padded"]))
     E, I = SHAPE["num_experts"], SHAPE["intermediate_size"]
     for mode, per_rank in (("tp", dict(local_experts=E, intermediate_per_rank=I // 2, moe_tp_size=2, moe_ep_size=1)),
                            ("ep", dict(local_experts=E // 2, intermediate_per_rank=I, moe_tp_size=1, moe_ep_size=2))):

@@ -378,7 +378,12 @@ def test_spawn_child_sees_backend_and_timeout():
     assert status == {
         "backend_choice": True,
         "runner_core": True,
-        "hooks": {"__init__": True, "create_weights": True, "process_weights_after_loading": True, "apply": True},
+        "hooks": {
+            **{f"ModelOptNvFp4FusedMoEMethod.{m}": True
+               for m in ("__init__", "create_weights", "process_weights_after_loading", "apply")},
+            **{f"Mxfp4MoEMethod.{m}": True
+               for m in ("__init__", "create_weights", "process_weights_after_loading", "create_moe_runner", "apply")},
+        },
         "unbalanced_loading_timeout_s": 7200.0,
     }
 
@@ -566,7 +571,7 @@ def test_runner_maps_sglang_config(one_rank):
     fused = types.SimpleNamespace(should_fuse_routed_scaling_factor_in_topk=True)
     assert routed_scaling_factor_for_runner(MoeRunnerConfig(routed_scaling_factor=2.5, layer=fused)) is None
     assert routed_scaling_factor_for_runner(MoeRunnerConfig(routed_scaling_factor=2.5)) == 2.5
-    with pytest.raises(ValueError, match="ModelOpt NVFP4 MoE layers only"):
+    with pytest.raises(ValueError, match="ModelOpt NVFP4 and MXFP4 MoE layers only"):
         make_runner_core(MoeRunnerConfig(layer=types.SimpleNamespace(quant_method=object(), layer_name="m.experts")))
 
 
@@ -736,6 +741,75 @@ def test_hooks_pass_other_backends_through_unchanged(one_rank):
         ((method, layer, "dispatch"), {}),
     ]
     assert layer.w13_blockscale_swizzled == "kept" and not hasattr(layer, hooks.WEIGHTS_ATTR)
+
+
+def test_mxfp4_hooks_pass_other_backends_through_unchanged(one_rank):
+    """The same for the Mxfp4MoEMethod hooks (the MXFP4 release under marlin and the others)."""
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+    from sglang.srt.runtime_context import get_flags
+
+    from k3nvfp4.sglang_ext import hooks_mxfp4
+
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "original-result"
+
+    method = types.SimpleNamespace(runner=types.SimpleNamespace(runner_backend=MoeRunnerBackend.MARLIN))
+    layer = types.SimpleNamespace()
+    moe_flags = get_flags().moe
+    saved = moe_flags.runner_backend
+    moe_flags.runner_backend = MoeRunnerBackend.MARLIN
+    try:
+        assert hooks_mxfp4.init_hook(original, method, prefix="p") == "original-result"
+        assert hooks_mxfp4.create_weights_hook(original, method, layer, 8, 64, 64, torch.bfloat16, weight_loader=1) == \
+            "original-result"
+        assert hooks_mxfp4.process_weights_hook(original, method, layer) == "original-result"
+        assert hooks_mxfp4.create_moe_runner_hook(original, method, layer, "cfg") == "original-result"
+    finally:
+        moe_flags.runner_backend = saved
+    assert hooks_mxfp4.apply_hook(original, method, layer, "dispatch") == "original-result"
+    assert calls == [
+        ((method,), {"prefix": "p"}),
+        ((method, layer, 8, 64, 64, torch.bfloat16), {"with_bias": False, "weight_loader": 1}),
+        ((method, layer), {}),
+        ((method, layer, "cfg"), {}),
+        ((method, layer, "dispatch"), {}),
+    ]
+    assert vars(layer) == {}
+
+
+def test_mxfp4_shard_shapes_are_checked(one_rank):
+    """triton_situ on MXFP4: a per-rank intermediate size the 32-blocks cannot tile, a hidden size
+    likewise, and bias parameters are refused with errors that say what to do."""
+    from sglang.srt.runtime_context import get_flags
+
+    from k3nvfp4.sglang_ext import hooks_mxfp4
+    from sglang.srt.layers.moe.utils import resolve_moe_runner_backend
+
+    layer = types.SimpleNamespace(moe_tp_size=4, num_local_experts=2)
+    with pytest.raises(ValueError, match=r"intermediate size per rank is 48 .* multiple of the MXFP4 block 32"):
+        hooks_mxfp4.check_mxfp4_shard_shapes(64, 48, layer)
+    with pytest.raises(ValueError, match="hidden size 80 must be a multiple of the MXFP4 block 32"):
+        hooks_mxfp4.check_mxfp4_shard_shapes(80, 64, layer)
+    moe_flags = get_flags().moe
+    saved = moe_flags.runner_backend
+    moe_flags.runner_backend = resolve_moe_runner_backend("triton_situ")
+    try:
+        with pytest.raises(NotImplementedError, match="biases are not supported"):
+            hooks_mxfp4.create_weights_hook(None, types.SimpleNamespace(), layer, 2, 64, 64, torch.bfloat16, with_bias=True)
+        module = torch.nn.Module()
+        module.num_local_experts = 2
+        method = types.SimpleNamespace()
+        assert hooks_mxfp4.create_weights_hook(None, method, module, 2, 64, 32, torch.bfloat16, weight_loader=7) is None
+    finally:
+        moe_flags.runner_backend = saved
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in module.named_parameters()}
+    assert shapes == {"w13_weight": ((2, 64, 32), torch.uint8), "w13_weight_scale": ((2, 64, 2), torch.uint8),
+                      "w2_weight": ((2, 64, 16), torch.uint8), "w2_weight_scale": ((2, 64, 1), torch.uint8)}
+    assert module.w13_weight_scale.quant_method == "group" and module.w2_weight.weight_loader == 7
+    assert method.intermediate_size_per_partition == 32 and method.hidden_size == 64
 
 
 # --- nothing of sglang changed -------------------------------------------------------------------

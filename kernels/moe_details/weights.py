@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 from typing import NamedTuple
@@ -131,8 +132,13 @@ class NVFP4MoEWeights:
         [E, H, I/2], w2_e8m0 uint8 [E, H, I/32]. Like the closed-form cast, scale_2 = 2^m with
         m = k_max - 8 (k_max over all blocks of the expert's w1 and w3 together), so every
         block whose exponent lies within 17 binades of k_max dequantizes to exactly the cast's
-        NVFP4 value; the bf16 block scales also hold blocks further below (down to the bf16
-        range) exactly. e8m0 = 255 (NaN) is refused.
+        NVFP4 value (the same tensors, bit for bit). Blocks further below, where the cast had to
+        re-quantize, keep their exact MXFP4 value: every finite E8M0 exponent fits the bf16 block
+        scale for this scale_2, and the kernel's bf16 product e2m1 x scale is exact and normal
+        for every block within 126 binades of k_max. Only blocks more than 126 binades below
+        their matrix's largest give subnormal bf16 products (exact to 133 binades where the GPU
+        keeps bf16 subnormals, flushed below); no trained matrix spans that, and a warning names
+        the tensor and the count if one does. e8m0 = 255 (NaN) is refused.
         """
         _check(w13, "w13", (torch.uint8,), 3)
         _check(w2, "w2", (torch.uint8,), 3)
@@ -150,6 +156,8 @@ class NVFP4MoEWeights:
         m2 = _mxfp4_scale_2_exp(w2_e8m0)
         s13 = layout.pack_e8m0_scale_tiles(w13_e8m0, m13, "w13_e8m0")  # refuses NaN exponents
         s2 = layout.pack_e8m0_scale_tiles(w2_e8m0, m2, "w2_e8m0")
+        _warn_deep_blocks(w13, w13_e8m0, "w13_e8m0")
+        _warn_deep_blocks(w2, w2_e8m0, "w2_e8m0")
         return cls(
             w13=layout.pack_e2m1_tiles(w13),
             w13_scale=s13,
@@ -215,6 +223,29 @@ def _same_device(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"NVFP4MoEWeights: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+# A block this many binades below its matrix's largest gives subnormal bf16 products in the
+# kernel (smallest product 0.5 x 2^(e - k_max + 1), see from_mxfp4).
+_BF16_NORMAL_SPAN = 126
+
+
+def _warn_deep_blocks(packed: torch.Tensor, e8m0: torch.Tensor, name: str) -> None:
+    """Warn about non-zero blocks far below their matrix's largest (all-zero blocks, which
+    MXFP4 quantizers store with E8M0 0, are exact whatever their scale)."""
+    k_max = e8m0.flatten(1).amax(1).to(torch.int16)
+    deep = e8m0.to(torch.int16) < (k_max - _BF16_NORMAL_SPAN).reshape(-1, 1, 1)
+    if not bool(deep.any()):
+        return
+    nonzero = (packed.reshape(*e8m0.shape, formats.MXFP4_BLOCK // 2) & 0x77).amax(-1) != 0
+    n = int((deep & nonzero).sum())
+    if n:
+        warnings.warn(
+            f"from_mxfp4: {name}: {n} non-zero MXFP4 blocks lie more than {_BF16_NORMAL_SPAN} binades "
+            "below their matrix's largest block; their bf16 products in the kernel are subnormal "
+            "(exact to 133 binades where the GPU keeps bf16 subnormals, flushed to zero below)",
+            stacklevel=3,
+        )
 
 
 def _mxfp4_scale_2_exp(e8m0: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,18 @@
 reason. An unavailable arm is reported as such and never replaced by another one.
 
 - reference:   k3nvfp4.kernels.fused_moe_nvfp4_reference (plain torch, W4A16; always runs)
-- triton_situ: k3nvfp4.kernels.fused_moe_nvfp4 (Triton; CUDA, or the interpreter on CPU)
+- triton_situ: k3nvfp4.kernels.fused_moe_nvfp4 (Triton; CUDA, or the interpreter on CPU) on the
+               layer's weights: the NVFP4 checkpoint's, or the MXFP4 release's read directly
+- triton_situ_cast: (MXFP4 layers only) the same kernels on the closed-form cast of those experts,
+               i.e. what serving the k3nvfp4-cast checkpoint computes
 - marlin:      SGLang's NVFP4 marlin MoE (sgl_kernel): weights repacked as
                ModelOptNvFp4FusedMoEMethod.process_weights_after_loading does for the marlin
                backend (w13 scale_2 collapsed to the gate column, then
                prepare_moe_nvfp4_layer_for_marlin), run through fused_marlin_moe with the
                arguments of SGLang's marlin MoE runner (gemm1_alpha = SiTU beta,
-               clamp_limit = linear beta).
+               clamp_limit = linear beta). For an MXFP4 layer marlin gets the cast's NVFP4
+               tensors (SGLang's NVFP4 marlin; the release itself is served by its MXFP4
+               marlin path, with the same values for every block inside the cast's window).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 if TYPE_CHECKING:
     from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
-ARM_NAMES = ("reference", "triton_situ", "marlin")
+ARM_NAMES = ("reference", "triton_situ", "triton_situ_cast", "marlin")
+DEFAULT_ARMS = ("reference", "triton_situ", "marlin")  # + triton_situ_cast for MXFP4 layers
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -36,7 +42,20 @@ def build_reference(ex: NVFP4MoELayer, device: torch.device) -> tuple[RunFn, lis
     return (lambda x, tw, ids: fused_moe_nvfp4_reference(x, w, tw, ids, **kw)), []
 
 
-def build_triton_situ(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+def default_arms(ex: NVFP4MoELayer) -> tuple[str, ...]:
+    """The arms a layer A/B runs when --arms is not given."""
+    return DEFAULT_ARMS[:2] + ("triton_situ_cast",) + DEFAULT_ARMS[2:] if ex.source_format == "mxfp4" else DEFAULT_ARMS
+
+
+def _cast_weights(ex: NVFP4MoELayer):
+    if ex.cast_weights is None:
+        raise ArmUnavailable("the layer is NVFP4 already (no MXFP4 source to cast); this arm compares the MXFP4 "
+                             "release read directly with its k3nvfp4-cast")  # fmt: skip
+    return ex.cast_weights
+
+
+def build_triton_situ(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype, *,
+                      cast: bool = False) -> tuple[RunFn, list[str]]:  # fmt: skip
     from k3nvfp4.kernels.interpreter import kernels_interpreted
 
     if device.type != "cuda" and not kernels_interpreted():
@@ -44,8 +63,12 @@ def build_triton_situ(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtyp
                              "is not set (set TRITON_INTERPRET=1 before triton is imported to run on CPU)")
     from k3nvfp4.kernels import fused_moe_nvfp4
 
-    w, kw = ex.weights.to(device), ex.activation_kwargs()
+    w, kw = (_cast_weights(ex) if cast else ex.weights).to(device), ex.activation_kwargs()
     notes = []
+    if cast:
+        notes.append("weights: the closed-form cast of the MXFP4 experts (what k3nvfp4-cast writes)")
+    elif ex.source_format == "mxfp4":
+        notes.append("weights: the MXFP4 release read directly (NVFP4MoEWeights.from_mxfp4, no cast)")
     if device.type != "cuda":
         notes.append("Triton interpreter on CPU (fp32 dots); timings are not meaningful.")
         if dtype != torch.float32:
@@ -86,8 +109,10 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
     from sglang.srt.layers.quantization.marlin_utils import marlin_make_workspace
     from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_nvfp4_layer_for_marlin
 
-    w13, w13_s, w13_s2, w2, w2_s, w2_s2 = ex.weights.to(device).to_modelopt()
-    notes = []
+    mx = ex.source_format == "mxfp4"
+    w13, w13_s, w13_s2, w2, w2_s, w2_s2 = (_cast_weights(ex) if mx else ex.weights).to(device).to_modelopt()
+    notes = ["SGLang's NVFP4 marlin on the cast of the MXFP4 experts (SGLang serves the release with its MXFP4 "
+             "marlin path: the same values for every block inside the cast's window)"] if mx else []  # fmt: skip
     # Marlin has one global scale for w1 and w3; SGLang keeps the gate column (and warns).
     differ = int((w13_s2[:, 0] != w13_s2[:, 1]).sum())
     if differ:
@@ -128,6 +153,8 @@ def build_arm(name: str, ex: NVFP4MoELayer, device: torch.device, dtype: torch.d
         return build_reference(ex, device)
     if name == "triton_situ":
         return build_triton_situ(ex, device, dtype)
+    if name == "triton_situ_cast":
+        return build_triton_situ(ex, device, dtype, cast=True)
     if name == "marlin":
         return build_marlin(ex, device, dtype)
     raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES)}")

@@ -2,6 +2,7 @@
 
   k3nvfp4-ab layer --synthetic --out DIR          # one MoE layer, tensor-level metrics
   k3nvfp4-ab layer --ckpt NVFP4_DIR --layer 5 --out DIR
+  k3nvfp4-ab layer --ckpt MXFP4_DIR --layer 5 --out DIR  (the release read directly, vs its cast)
   k3nvfp4-ab serve --print-launch                 # the two sglang servers it expects
   k3nvfp4-ab serve --arm marlin=http://h:30000 --arm triton_situ=http://h:30001 --out DIR
 """
@@ -27,7 +28,7 @@ def _add_layer(sub) -> None:
                        description="Run one NVFP4 MoE layer through every arm on the same routed inputs and "
                                    "compare outputs. Arms that cannot run are reported 'not available: <reason>'.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--ckpt", type=Path, help="NVFP4 (ModelOpt) checkpoint directory")
+    src.add_argument("--ckpt", type=Path, help="checkpoint directory: NVFP4 (ModelOpt, the cast) or the MXFP4 release")
     src.add_argument("--synthetic", action="store_true", help="random NVFP4 weights with K3 shard structure")
     p.add_argument("--layer", type=int, help="MoE layer index (with --ckpt)")
     p.add_argument("--experts", type=int, default=None,
@@ -41,7 +42,9 @@ def _add_layer(sub) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="activation dtype; float32 is an exactness check of triton_situ vs the reference "
                         "(fp32 dots; marlin runs 16-bit activations only)")
-    p.add_argument("--arms", default="reference,triton_situ,marlin", help="comma list of arms to try")
+    p.add_argument("--arms", default=None,
+                   help="comma list of arms to try (default reference,triton_situ,marlin; with an MXFP4 --ckpt also "
+                        "triton_situ_cast: the same kernels on the cast of those experts)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per arm (default 5 on GPU, 1 on CPU)")
     p.add_argument("--out", type=Path, required=True, help="output directory (report.json, summary.md, PNGs)")
@@ -110,7 +113,8 @@ def _layer(args, as_script: bool) -> int:
         out_dir=args.out, ckpt=args.ckpt, layer=args.layer, synthetic=args.synthetic, num_experts=args.experts,
         hidden_size=args.hidden, intermediate_size=args.intermediate, top_k=args.top_k, tokens=args.tokens,
         seed=args.seed, activations=args.activations, dtype=args.dtype,
-        arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()), device=args.device, repeats=args.repeats)
+        arms=None if args.arms is None else tuple(a.strip() for a in args.arms.split(",") if a.strip()),
+        device=args.device, repeats=args.repeats)
     rep = run_layer_ab(cfg)
     print(rep.summary_markdown())
     print(f"report: {args.out / 'report.json'}")

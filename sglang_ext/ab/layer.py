@@ -1,4 +1,5 @@
-"""Layer-level A/B: one NVFP4 MoE layer through every arm on the same routed inputs.
+"""Layer-level A/B: one MoE layer (NVFP4, or the MXFP4 release read directly) through every arm on
+the same routed inputs.
 
 The plain-torch reference always runs; triton_situ and marlin run where they can and are
 otherwise reported "not available: <reason>". Pairs compared: every available arm against
@@ -20,13 +21,14 @@ from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
 from ...common.files import write_text_atomic
 from . import plots
-from .arms import ARM_NAMES, ArmUnavailable, build_arm
+from .arms import ARM_NAMES, ArmUnavailable, build_arm, default_arms
 from .errors import InputError
 from .layer_inputs import load_activations, load_checkpoint_layer, realistic_routed_inputs, synthetic_layer
 from .metrics import PairMetrics, compare_outputs
 from .report import fmt, markdown_table, write_json
 
-PAIRS = (("triton_situ", "reference"), ("marlin", "reference"), ("triton_situ", "marlin"))
+PAIRS = (("triton_situ", "reference"), ("triton_situ_cast", "reference"), ("marlin", "reference"),
+         ("triton_situ", "triton_situ_cast"), ("triton_situ", "marlin"))
 
 
 @dataclass
@@ -45,7 +47,7 @@ class LayerABConfig:
     seed: int = 0
     activations: Path | None = None
     dtype: str = "bfloat16"
-    arms: tuple[str, ...] = ARM_NAMES
+    arms: tuple[str, ...] | None = None  # None: arms.default_arms (triton_situ_cast added for MXFP4 layers)
     device: str | None = None
     repeats: int | None = None
     plots: bool = True
@@ -159,16 +161,17 @@ def _time(run, x, tw, ids, device: torch.device, repeats: int) -> tuple[torch.Te
 def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
     """Run the layer A/B and (when cfg.out_dir is set) write its report files. Raises ABError
     on input problems (missing checkpoint/layer, bad activation file, unknown arm)."""
-    for a in cfg.arms:
+    for a in cfg.arms or ():
         if a not in ARM_NAMES:
             raise InputError(f"--arms: unknown arm {a!r}; choose from {', '.join(ARM_NAMES)}")
-    arms = ("reference",) + tuple(a for a in cfg.arms if a != "reference")  # the reference always runs
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
     if cfg.activations is not None and not Path(cfg.activations).is_file():  # fail before loading weights
         raise InputError(f"--activations: file not found: {cfg.activations}")
     ex = _load(cfg)
     w = ex.weights
+    chosen = cfg.arms if cfg.arms is not None else default_arms(ex)
+    arms = ("reference",) + tuple(a for a in chosen if a != "reference")  # the reference always runs
     if cfg.activations is not None:
         inp = load_activations(cfg.activations, w.hidden_size, w.num_experts, dtype)
     else:
@@ -197,7 +200,7 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
     pairs = [compare_outputs(outputs[a], outputs[b], ids, w.num_experts, name_a=a, name_b=b)
              for a, b in PAIRS if a in outputs and b in outputs]
     setup = {"weights": ex.source, "inputs": inp.source, "tokens": int(x.shape[0]), "top_k": int(ids.shape[1]),
-             "num_experts": w.num_experts, "hidden_size": w.hidden_size, "intermediate_size": w.intermediate_size,
+             "source_format": ex.source_format, "num_experts": w.num_experts, "hidden_size": w.hidden_size, "intermediate_size": w.intermediate_size,
              "dtype": cfg.dtype, "activation": ex.hidden_act, "situ_beta": ex.situ_beta,
              "situ_linear_beta": ex.situ_linear_beta, "routed_scaling_factor": ex.routed_scaling_factor,
              "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from k3nvfp4.checkpoint.layer import NVFP4MoELayer, load_moe_layer_nvfp4
+from k3nvfp4.checkpoint.layer import NVFP4MoELayer, load_moe_layer
 from k3nvfp4.kernels.situ import ACTIVATIONS
 from k3nvfp4.kernels.testing import k3_like_nvfp4_moe_weights, realistic_hidden_states, sigmoid_topk_routing
 
@@ -31,7 +31,8 @@ def synthetic_layer(num_experts: int = 8, hidden_size: int = 256, intermediate_s
 
 
 def load_checkpoint_layer(ckpt: Path, layer: int | None, num_experts: int | None) -> NVFP4MoELayer:
-    """Routed experts of `layer` (the first `num_experts` of them, default all) from an NVFP4 checkpoint."""
+    """Routed experts of `layer` (the first `num_experts` of them, default all) from an NVFP4
+    checkpoint or from the MXFP4 release (read directly; the layer also carries their cast)."""
     ckpt = Path(ckpt)
     if layer is None:
         raise InputError("--ckpt needs --layer N (the MoE layer to compare)")
@@ -39,7 +40,7 @@ def load_checkpoint_layer(ckpt: Path, layer: int | None, num_experts: int | None
         raise InputError(f"--ckpt: checkpoint directory not found: {ckpt}")
     experts = list(range(num_experts)) if num_experts else None
     try:
-        t = load_moe_layer_nvfp4(ckpt, layer, experts)
+        t = load_moe_layer(ckpt, layer, experts)
     except (FileNotFoundError, KeyError, ValueError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         raise InputError(f"--ckpt {ckpt} --layer {layer}: {msg}") from None

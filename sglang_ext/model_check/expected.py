@@ -5,7 +5,7 @@ renames (:func:`ckpt_reader.runtime_name`), the fusions of ``KimiK3LinearForCaus
 (q/k/v/g -> ``fused_qkvg_proj``, q/k/v conv1d -> ``qkv_conv1d``, gate/up -> ``gate_up_proj``
 for the dense MLP and the shared experts, q_a/kv_a -> ``fused_qkv_a_proj_with_mqa``), K3's
 ``A_log`` (the first ``num_heads`` values of a head_dim-padded or trimmed vector), the
-ModelOpt NVFP4 MoE parameters (``w13`` = w1 rows then w3 rows, scale_2 ``[gate, up]``) and the
+routed experts' parameters (:mod:`.expert_format`: ``w13`` = w1 rows then w3 rows) and the
 tensor-/expert-parallel slicing by module class (column-parallel: rows of each fused part;
 row-parallel: columns; vocab-parallel: a row range; experts: the contiguous global range of
 this EP rank and the MoE-TP slice of the intermediate dimension).
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .ckpt_reader import CheckpointReader, runtime_name
+from .expert_format import ExpertFormat
 
 # Fused runtime module -> checkpoint modules, in shard order.
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
@@ -31,9 +32,6 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "fused_qkv_a_proj_with_mqa": ("q_a_proj", "kv_a_proj_with_mqa"),
 }
-# ModelOpt NVFP4 MoE parameters the checkpoint fills (input scales only in W4A4 casts).
-EXPERT_PARAMS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
-                 "w2_weight_scale_2")  # fmt: skip
 # Parameters SGLang creates that a W4A16 ModelOpt checkpoint does not fill; they keep SGLang's
 # initial value (KV-cache scales -> 1.0 after loading, MoE input scales = 1.0).
 DEFAULT_PARAM_SUFFIXES = (".k_scale", ".v_scale", ".w13_input_scale", ".w2_input_scale")
@@ -79,7 +77,7 @@ def _aliases(model: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Modul
     return out
 
 
-def plan_params(model: torch.nn.Module, reader: CheckpointReader) -> Plan:
+def plan_params(model: torch.nn.Module, reader: CheckpointReader, fmt: ExpertFormat) -> Plan:
     """Which checkpoint tensors every parameter of ``model`` must hold (names and types only)."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
@@ -96,7 +94,7 @@ def plan_params(model: torch.nn.Module, reader: CheckpointReader) -> Plan:
                 seen_moe.add(prefix)
                 moe_layers.append((prefix, moe[1]))
             local = moe[0].rsplit(".", 1)[1]
-            if local in EXPERT_PARAMS or (local.endswith("_input_scale") and _has_input_scales(prefix, moe[1], rt2ck)):
+            if local in fmt.params or (local.endswith("_input_scale") and _has_input_scales(prefix, moe[1], rt2ck)):
                 plans.append(ParamPlan(name, param, moe[1], local, [], "experts"))
             elif name.endswith(DEFAULT_PARAM_SUFFIXES):
                 defaults.append(name)
@@ -221,7 +219,7 @@ def _expected_dense(p: ParamPlan, parts: list[torch.Tensor]) -> torch.Tensor:
     return (torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(shape)
 
 
-def check_params(plan: Plan, reader: CheckpointReader) -> tuple[list[ParamResult], set[str], int]:
+def check_params(plan: Plan, reader: CheckpointReader, fmt: ExpertFormat) -> tuple[list[ParamResult], set[str], int]:
     """Compare every planned parameter; returns (results, checkpoint names verified in place,
     number of (layer, local expert) checks)."""
     results: list[ParamResult] = []
@@ -243,15 +241,15 @@ def check_params(plan: Plan, reader: CheckpointReader) -> tuple[list[ParamResult
     n_expert_checks = 0
     rt2ck = {runtime_name(n): n for n in reader.names()}
     for prefix, layer in plan.moe_layers:
-        r, n, ok = _check_experts(prefix, layer, rt2ck, reader)
+        r, n, ok = _check_experts(prefix, layer, rt2ck, reader, fmt)
         results.extend(r)
         landed.update(ok)
         n_expert_checks += n
     return results, landed, n_expert_checks
 
 
-def _check_experts(prefix: str, layer, rt2ck: dict[str, str], reader: CheckpointReader):
-    """Every ModelOpt parameter of every local expert of one FusedMoE against the checkpoint."""
+def _check_experts(prefix: str, layer, rt2ck: dict[str, str], reader: CheckpointReader, fmt: ExpertFormat):
+    """Every expert parameter of every local expert of one FusedMoE against the checkpoint."""
     results, landed, checks = [], set(), 0
     e_local_n, ep_rank = layer.num_local_experts, layer.moe_ep_rank
     tp_rank, tp_size = layer.moe_tp_rank, layer.moe_tp_size
@@ -265,24 +263,14 @@ def _check_experts(prefix: str, layer, rt2ck: dict[str, str], reader: Checkpoint
     for e_local in range(e_local_n):
         e = ep_rank * e_local_n + e_local
         names = {(proj, suf): rt2ck.get(f"{prefix}.{e}.{proj}.{suf}") for proj in ("w1", "w3", "w2")
-                 for suf in ("weight", "weight_scale", "weight_scale_2")}  # fmt: skip
+                 for suf in fmt.suffixes}  # fmt: skip
         sources = [v for v in names.values() if v is not None]
         label = f"{prefix}[expert {e} -> local {e_local}]"
         absent = [f"{prefix}.{e}.{proj}.{suf}" for (proj, suf), v in names.items() if v is None]
         if absent:
-            results.append(ParamResult(label, sources, f"checkpoint lacks {absent}"))
+            results.append(ParamResult(label, sources, f"checkpoint lacks {absent} ({fmt.name})"))
             continue
-        t = {k: reader.get(v) for k, v in names.items()}
-        s13 = layer.w13_weight_scale_2.data[e_local]
-        expected = {
-            "w13_weight": torch.cat([rows(t["w1", "weight"]), rows(t["w3", "weight"])]),
-            "w13_weight_scale": torch.cat([rows(t["w1", "weight_scale"]), rows(t["w3", "weight_scale"])]),
-            "w13_weight_scale_2": (torch.stack([t["w1", "weight_scale_2"], t["w3", "weight_scale_2"]]).reshape(-1)
-                                   if s13.numel() == 2 else t["w1", "weight_scale_2"].reshape(s13.shape)),
-            "w2_weight": cols(t["w2", "weight"]),
-            "w2_weight_scale": cols(t["w2", "weight_scale"]),
-            "w2_weight_scale_2": t["w2", "weight_scale_2"].reshape(()),
-        }  # fmt: skip
+        expected = fmt.expected({k: reader.get(v) for k, v in names.items()}, rows, cols, layer, e_local)
         problems = []
         for pname, exp in expected.items():
             actual = getattr(layer, pname).data[e_local]

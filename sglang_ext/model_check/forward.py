@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from .ckpt_reader import CheckpointReader, runtime_name
-from .reference import BlockConfig, BlockTensors, Routing, block_reference, dequant_nvfp4, route, weights_for
+from .expert_format import ExpertFormat
+from .reference import BlockConfig, BlockTensors, Routing, block_reference, route, weights_for
 
 ROUTING_TIE = 2e-2  # selection-score slack for near ties (bf16 router logits)
 WEIGHT_TOL = 2e-2  # max |w - w_ref| / max |w_ref|
@@ -50,6 +51,7 @@ class ForwardResult:
     routing_tie_tokens: int
     routing_bad_tokens: int
     weights_max_rel_err: float
+    scaling_in_topk_weights: bool  # SGLang folded routed_scaling_factor into the top-k weights
     weights_mean_sum: float
     tolerance: float
     out_sha256: str
@@ -74,7 +76,7 @@ def find_block(model: torch.nn.Module, layer: int | None) -> tuple[str, torch.nn
     raise ValueError(f"--moe-layer {layer}: not a MoE layer of this model (MoE layers: {[m.layer_idx for _, m in blocks]})")
 
 
-def block_tensors(reader: CheckpointReader, prefix: str, cfg: BlockConfig) -> BlockTensors:
+def block_tensors(reader: CheckpointReader, prefix: str, cfg: BlockConfig, fmt: ExpertFormat) -> BlockTensors:
     """Checkpoint tensors of the block at runtime ``prefix`` (checkpoint names via the mapper rules)."""
     rt2ck = {runtime_name(n): n for n in reader.names()}
 
@@ -91,8 +93,7 @@ def block_tensors(reader: CheckpointReader, prefix: str, cfg: BlockConfig) -> Bl
         shared = tuple(get(f"shared_experts.{p}_proj.weight") for p in ("gate", "up", "down"))
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(dequant_nvfp4(get(f"experts.{e}.{w}.weight"), get(f"experts.{e}.{w}.weight_scale"),
-                                   get(f"experts.{e}.{w}.weight_scale_2")) for w in ("w1", "w3", "w2"))  # fmt: skip
+        return tuple(fmt.dequant(get, e, w) for w in ("w1", "w3", "w2"))
 
     return BlockTensors(
         gate=get("gate.weight"), bias=get("gate.e_score_correction_bias"),
@@ -124,7 +125,7 @@ def check_routing(sg_ids: torch.Tensor, ref: Routing) -> tuple[int, int, int]:
     return exact, tie, bad
 
 
-def run_block(block: torch.nn.Module, prefix: str, reader: CheckpointReader, cfg: BlockConfig, *,
+def run_block(block: torch.nn.Module, prefix: str, reader: CheckpointReader, cfg: BlockConfig, fmt: ExpertFormat, *,
               tokens: int, seed: int, dtype: torch.dtype, device: torch.device) -> ForwardResult:  # fmt: skip
     """SGLang's block forward on seeded RMS-1 hidden states vs the reference."""
     hidden = block.gate.weight.shape[1]
@@ -143,7 +144,7 @@ def run_block(block: torch.nn.Module, prefix: str, reader: CheckpointReader, cfg
     sg_ids = topk.topk_ids.long().cpu()
     sg_w = topk.topk_weights.float().cpu()
 
-    t = block_tensors(reader, prefix, cfg)
+    t = block_tensors(reader, prefix, cfg, fmt)
     logits = x.float() @ t.gate.float().T
     ref_routing = route(logits, t.bias, cfg)
     exact, tie, bad = check_routing(sg_ids, ref_routing)
@@ -151,10 +152,14 @@ def run_block(block: torch.nn.Module, prefix: str, reader: CheckpointReader, cfg
         problems.append(f"routing: {bad} of {tokens} tokens got experts outside the reference's top-{cfg.top_k}")
     # The reference follows SGLang's expert choice (identical unless near ties), with its own weights.
     w_ref = weights_for(ref_routing.scores, sg_ids, cfg)
-    w_err = float((sg_w - w_ref).abs().max() / w_ref.abs().max())
+    # SGLang folds routed_scaling_factor into the top-k weights for some quant methods (ModelOpt
+    # NVFP4 off marlin), else the runner applies it after the sum: compare with what it chose.
+    fused = bool(getattr(block.experts, "should_fuse_routed_scaling_factor_in_topk", False))
+    w_cmp = w_ref if fused else weights_for(ref_routing.scores, sg_ids, cfg, scale=1.0)
+    w_err = float((sg_w - w_cmp).abs().max() / w_cmp.abs().max())
     if w_err > WEIGHT_TOL:
         problems.append(f"routing weights differ from the reference (routed_scaling_factor "
-                        f"{cfg.routed_scaling_factor} included) by {w_err:.3g} > {WEIGHT_TOL}")  # fmt: skip
+                        f"{cfg.routed_scaling_factor} {'included' if fused else 'not included'}) by {w_err:.3g} > {WEIGHT_TOL}")  # fmt: skip
     ref = block_reference(x, t, cfg, Routing(sg_ids, w_ref, ref_routing.scores, ref_routing.selection))
     err = _normwise(out, ref["out"])
     max_err = float((out - ref["out"]).abs().max() / ref["out"].abs().max())
@@ -173,6 +178,6 @@ def run_block(block: torch.nn.Module, prefix: str, reader: CheckpointReader, cfg
         err=err, max_err=max_err, err_scaling_applied_0x=err0, err_scaling_applied_2x=err2,
         out_rms=_rms(out), ref_rms=_rms(ref["out"]), routed_rms=_rms(ref["routed"]), shared_rms=_rms(ref["shared"]),
         routing_exact_tokens=exact, routing_tie_tokens=tie, routing_bad_tokens=bad,
-        weights_max_rel_err=w_err, weights_mean_sum=float(sg_w.sum(-1).mean()), tolerance=BF16_TOL,
+        weights_max_rel_err=w_err, scaling_in_topk_weights=fused, weights_mean_sum=float(sg_w.sum(-1).mean()), tolerance=BF16_TOL,
         out_sha256=hashlib.sha256(out.numpy().tobytes()).hexdigest(), problems=problems,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Which quant method SGLang gave every linear, and whether the exclude globs are what decided.
 
-Expected for a k3nvfp4-cast checkpoint: ModelOpt NVFP4 (``ModelOptNvFp4FusedMoEMethod``) for
-exactly the routed experts; unquantized for attention, shared experts, the dense MLP, the latent
+Expected: the checkpoint format's method for exactly the routed experts (a k3nvfp4 cast:
+``ModelOptNvFp4FusedMoEMethod``; the MXFP4 release: ``Mxfp4MoEMethod``); unquantized for attention, shared experts, the dense MLP, the latent
 projections, lm_head and the embedding. The control builds a second quant config through the
 same loader path from a copy of config.json whose ``exclude_modules`` is empty, and asks it
 about the same layers with the same prefixes: every linear the model class asked the quant
@@ -70,8 +70,9 @@ def is_quantized(method: Any) -> bool:
 
 
 def audit(model: torch.nn.Module, quant_calls: list[tuple[str, torch.nn.Module, Any]],
-          control_config: Any | None) -> tuple[list[QuantEntry], list[str]]:  # fmt: skip
-    """(entries for every linear / MoE / embedding, problems)."""
+          control_config: Any | None, experts_method: str) -> tuple[list[QuantEntry], list[str]]:  # fmt: skip
+    """(entries for every linear / MoE / embedding, problems); the routed experts must get
+    ``experts_method`` (the checkpoint format's SGLang quant method)."""
     from sglang.srt.layers.linear import LinearBase
     from sglang.srt.layers.radix_attention import RadixAttention
 
@@ -89,16 +90,22 @@ def audit(model: torch.nn.Module, quant_calls: list[tuple[str, torch.nn.Module, 
                            type(method).__name__ if method is not None else "none (torch.nn.Linear)",
                            is_quantized(method), id(module) in asked)  # fmt: skip
         if entry.asked and control_config is not None and role != ROUTED:
-            m0 = control_config.get_quant_method(module, asked[id(module)])
-            entry.control_method = type(m0).__name__ if m0 is not None else None
-            entry.control_quantized = is_quantized(m0)
+            try:
+                m0 = control_config.get_quant_method(module, asked[id(module)])
+            except NotImplementedError as exc:
+                # compressed-tensors matched a target and looked for a kernel scheme: it would
+                # quantize this linear (MXFP4 weight-only linears have no scheme in SGLang).
+                entry.control_method, entry.control_quantized = f"targeted, no scheme ({exc})", True
+            else:
+                entry.control_method = type(m0).__name__ if m0 is not None else None
+                entry.control_quantized = is_quantized(m0)
         entries.append(entry)
         if entry.asked and entry.control_quantized is False and isinstance(module, LinearBase):
             problems.append(f"{prefix}: with exclude_modules emptied SGLang still gives {entry.control_method}; "
                             "the exclude globs are not what keeps it unquantized")  # fmt: skip
         if role == ROUTED:
-            if entry.method != "ModelOptNvFp4FusedMoEMethod":
-                problems.append(f"{prefix}: routed experts got {entry.method}, expected ModelOptNvFp4FusedMoEMethod")
+            if entry.method != experts_method:
+                problems.append(f"{prefix}: routed experts got {entry.method}, expected {experts_method}")
         elif entry.quantized:
             problems.append(f"{prefix}: {role} got {entry.method}; only the routed experts may be quantized")
     if not any(e.role == ROUTED for e in entries):
@@ -155,6 +162,12 @@ def control_quant_config(ckpt: Path, server_args: Any, load_config: Any) -> Any:
                 for key in ("ignore", "modules_to_not_convert"):
                     q.pop(key, None)
                 q["exclude_modules"] = []
+                # compressed-tensors quantizes only what a config group targets: without the
+                # ignore list, every Linear is targeted (else SGLang finds no scheme at all).
+                for group in (q.get("config_groups") or {}).values():
+                    group["targets"] = list(group.get("targets", [])) + ["Linear"]
+                if "config_groups" in q:
+                    q["ignore"] = []
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
         legacy = Path(ckpt) / _HF_QUANT_CONFIG
         if legacy.is_file():

@@ -1,7 +1,7 @@
 """Plain-torch reference of one Kimi-K3 MoE block, straight from the checkpoint tensors.
 
-Independent of SGLang's modules and of this project's kernels: NVFP4 is decoded from the
-E2M1 table and the E4M3 scales by hand, everything is computed in fp32 from the stored values.
+Independent of SGLang's modules and of this project's kernels: NVFP4 and MXFP4 are decoded
+from the E2M1 table and the E4M3 / E8M0 scales by hand, everything is computed in fp32 from the stored values.
 The block (K3 latent MoE, FACTS.md):
 
     router   scores = sigmoid(x @ gate^T); selection on scores + e_score_correction_bias
@@ -25,6 +25,7 @@ import torch
 # E2M1 codes 0..7 (bit 3 is the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 NVFP4_BLOCK = 16
+MXFP4_BLOCK = 32
 
 
 def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
@@ -32,6 +33,16 @@ def dequant_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tens
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
     return table[codes] * scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1) * scale_2.float()
+
+
+def dequant_mxfp4(packed: torch.Tensor, e8m0: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K/2] (low nibble = even element), uint8 E8M0 [R, K/32] (2^(e - 127); 255 = NaN)
+    -> fp32 [R, K]."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+    e = e8m0.view(torch.uint8).to(torch.float64)
+    scale = torch.where(e == 255, torch.nan, torch.pow(2.0, e - 127)).float()
+    return table[codes] * scale.repeat_interleave(MXFP4_BLOCK, dim=-1)
 
 
 @dataclass(frozen=True)

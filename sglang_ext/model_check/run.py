@@ -13,6 +13,8 @@ against the plain-torch reference (:mod:`.forward`). It returns a JSON-able repo
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
 import socket
@@ -80,7 +82,8 @@ def _moe_after_postprocess(model: torch.nn.Module) -> tuple[dict[str, Any], list
     for prefix, layer in model.named_modules():
         if not isinstance(layer, FusedMoE):
             continue
-        has_weights = getattr(layer, WEIGHTS_ATTR, None) is not None
+        weights = getattr(layer, WEIGHTS_ATTR, None)
+        has_weights = weights is not None
         freed = all(getattr(layer, p).numel() == 0 for p in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"))
         info[prefix] = {
             "runner_backend": getattr(layer.runner_backend, "value", str(layer.runner_backend)),
@@ -89,10 +92,39 @@ def _moe_after_postprocess(model: torch.nn.Module) -> tuple[dict[str, Any], list
             "moe_tp_rank": layer.moe_tp_rank, "moe_tp_size": layer.moe_tp_size,
             "intermediate_per_rank": layer.intermediate_size_per_partition,
             "kernel_weights": has_weights, "modelopt_params_freed": freed,
+            "kernel_weights_sha256": _digest(weights) if has_weights else None,
+            "kernel_values_sha256": _value_digest(weights) if has_weights else None,
         }  # fmt: skip
         if not has_weights:
             problems.append(f"{prefix}: no triton_situ kernel weights after process_weights_after_loading")
     return info, problems
+
+
+def _digest(weights: Any) -> str:
+    """sha256 over the kernel-layout tensors (equal digests: bit-identical kernel inputs)."""
+    h = hashlib.sha256()
+    for f in dataclasses.fields(weights):
+        value = getattr(weights, f.name)
+        if isinstance(value, torch.Tensor):
+            h.update(f.name.encode())
+            h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _value_digest(weights: Any) -> str:
+    """sha256 over the weights' dequantized values (float64, signs of zeros included): equal for
+    two layouts that differ only in the scales of all-zero blocks."""
+    from k3nvfp4.kernels.moe_details.layout import dequantize_tiles
+
+    H, I = weights.hidden_size, weights.intermediate_size
+    v13 = dequantize_tiles(weights.w13, weights.w13_scale, H).double()
+    v13[:, :I] *= weights.w13_scale_2[:, 0, None, None].double()
+    v13[:, I:] *= weights.w13_scale_2[:, 1, None, None].double()
+    v2 = dequantize_tiles(weights.w2, weights.w2_scale, I).double() * weights.w2_scale_2[:, None, None].double()
+    h = hashlib.sha256()
+    for v in (v13, v2):
+        h.update(v.cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _coverage(reader, landed: set[str], log, results, beyond) -> tuple[dict[str, Any], list[str]]:
@@ -121,6 +153,7 @@ def _coverage(reader, landed: set[str], log, results, beyond) -> tuple[dict[str,
 def check_rank(opts: CheckOptions, *, rank: int = 0, world_size: int = 1, port: int | None = None) -> dict[str, Any]:
     """The whole check on this rank (this process joins a ``world_size``-rank group)."""
     from .ckpt_reader import CheckpointReader, read_config
+    from .expert_format import expert_format
     from .expected import check_params, plan_params, poison
     from .forward import find_block, run_block
     from .instrument import LoadLog, instrument_loaders, tap
@@ -139,7 +172,7 @@ def check_rank(opts: CheckOptions, *, rank: int = 0, world_size: int = 1, port: 
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     ckpt = Path(opts.ckpt)
-    read_config(ckpt)  # a clear error before SGLang's
+    fmt = expert_format(read_config(ckpt))  # a clear error before SGLang's
     reader = CheckpointReader(ckpt)
     load_sglang_plugins()
     overrides: dict[str, Any] = {}
@@ -157,7 +190,7 @@ def check_rank(opts: CheckOptions, *, rank: int = 0, world_size: int = 1, port: 
 
     # Load, with every planned parameter poisoned and every loader call logged.
     t1 = time.perf_counter()
-    plan = plan_params(model, reader)
+    plan = plan_params(model, reader, fmt)
     poison(plan)
     log = LoadLog()
     instrument_loaders(model, log)
@@ -171,14 +204,14 @@ def check_rank(opts: CheckOptions, *, rank: int = 0, world_size: int = 1, port: 
     times["load"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    results, landed, n_expert_checks = check_params(plan, reader)
+    results, landed, n_expert_checks = check_params(plan, reader, fmt)
     tensors, problems = _coverage(reader, set(landed), log, results, beyond)
     tensors["shards_read"], tensors["shards"] = len(kept_shards), len(set(reader.weight_map.values()))
     mismatches = [r for r in results if r.problem]
     problems += [f"parameter {r.name} (from {r.sources}): {r.problem}" for r in mismatches]
     problems += [f"parameter {n} has no checkpoint tensor (keeps SGLang's initial value)" for n in plan.unplanned]
     control = control_quant_config(ckpt, server_args, built.load_config) if built.quant_config is not None else None
-    entries, q_problems = audit(model, built.quant_calls, control)
+    entries, q_problems = audit(model, built.quant_calls, control, fmt.method)
     problems += q_problems
     times["check"] = time.perf_counter() - t2
 
@@ -194,7 +227,7 @@ def check_rank(opts: CheckOptions, *, rank: int = 0, world_size: int = 1, port: 
         t4 = time.perf_counter()
         try:
             prefix, block = find_block(model, opts.moe_layer)
-            fwd = run_block(block, prefix, reader, BlockConfig.from_text_config(text), tokens=opts.tokens,
+            fwd = run_block(block, prefix, reader, BlockConfig.from_text_config(text), fmt, tokens=opts.tokens,
                             seed=opts.seed, dtype=built.model_config.dtype, device=device).to_dict()  # fmt: skip
             problems += [f"{prefix} forward: {p}" for p in fwd["problems"]]
         except (KeyError, ValueError, RuntimeError) as exc:
@@ -206,6 +239,7 @@ def check_rank(opts: CheckOptions, *, rank: int = 0, world_size: int = 1, port: 
         "checkpoint": str(ckpt), "rank": rank, "world_size": world_size, "tp_size": opts.tp_size,
         "ep_size": opts.ep_size, "device": str(device), "model_class": type(model).__name__,
         "model_loader": type(built.loader).__name__, "quant_config": type(built.quant_config).__name__,
+        "expert_format": fmt.name,
         "moe_runner_backend": server_args.moe_runner_backend, "overrides": overrides,
         "num_hidden_layers": n_layers,
         "tensors": tensors,

@@ -1,0 +1,164 @@
+"""HookRegistry hooks on SGLang's Mxfp4MoEMethod: ``triton_situ`` on the MXFP4 release, no cast.
+
+SGLang 0.5.23 gives a compressed-tensors ``mxfp4-pack-quantized`` MoE layer (Kimi-K3's release)
+``sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod`` on CUDA (compressed_tensors.py picks it
+before any scheme). Its ``create_moe_runner`` knows no registered backend, and its
+``create_weights`` pads the intermediate size for whichever kernel it expects. For backend
+``triton_situ`` these AROUND hooks:
+
+- ``__init__``: the device check of the backend (SM80+, or the Triton interpreter);
+- ``create_weights``: the checkpoint's own shapes, unpadded (w13 / w2 nibbles uint8 and their
+  E8M0 scales uint8 per 32, the parameters SGLang's MXFP4 loader fills; no bias parameters:
+  the release has none);
+- ``process_weights_after_loading``: ``NVFP4MoEWeights.from_mxfp4`` (the kernels' tiled layout,
+  bit-exact to the cast's NVFP4 values), then the checkpoint-layout tensors are freed;
+- ``create_moe_runner`` / ``apply``: the ``triton_situ`` runner core, as for ModelOpt NVFP4.
+
+Every other backend (marlin, flashinfer_mxfp4, triton_kernel, ...) runs SGLang's code unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import BACKEND_NAME
+from .hooks import WEIGHTS_ATTR, check_device_supported, free_checkpoint_params, is_triton_situ, log_active_once
+
+_METHOD = "sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod"
+MXFP4_BLOCK = 32
+# E8M0 127 = 2^0: SGLang's initial value of the scale parameters.
+_E8M0_ONE = 127
+_MXFP4_PARAMS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+
+
+def _backend_is_ours() -> bool:
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    return is_triton_situ(get_moe_runner_backend())
+
+
+def init_hook(original_fn, self, *args, **kwargs):
+    if _backend_is_ours():
+        check_device_supported()
+    return original_fn(self, *args, **kwargs)
+
+
+def check_mxfp4_shard_shapes(hidden_size: int, intermediate_size_per_partition: int, layer: Any) -> None:
+    """Clear errors for shards the 32-element MXFP4 scale blocks cannot tile."""
+    tp_size = getattr(layer, "moe_tp_size", 1)
+    if intermediate_size_per_partition % MXFP4_BLOCK:
+        raise ValueError(
+            f"--moe-runner-backend {BACKEND_NAME} on an MXFP4 checkpoint: the MoE intermediate size "
+            f"per rank is {intermediate_size_per_partition} (moe_intermediate_size / moe tp size "
+            f"{tp_size}); it must be a multiple of the MXFP4 block {MXFP4_BLOCK}. Use a smaller "
+            "--tp-size or expert parallelism (--ep-size)."
+        )
+    if hidden_size % MXFP4_BLOCK:
+        raise ValueError(
+            f"--moe-runner-backend {BACKEND_NAME}: MoE hidden size {hidden_size} must be a multiple "
+            f"of the MXFP4 block {MXFP4_BLOCK}"
+        )
+
+
+def create_weights_hook(
+    original_fn,
+    self,
+    layer,
+    num_experts,
+    hidden_size,
+    intermediate_size_per_partition,
+    params_dtype,
+    with_bias: bool = False,
+    **extra_weight_attrs,
+):
+    """The checkpoint's shapes, as SGLang's MXFP4 loader fills them, with no kernel padding."""
+    if not _backend_is_ours():
+        return original_fn(
+            self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+            with_bias=with_bias, **extra_weight_attrs,
+        )
+    from sglang.srt.utils import set_weight_attrs
+
+    if with_bias:
+        raise NotImplementedError(f"{BACKEND_NAME}: MXFP4 MoE layers with biases are not supported")
+    check_mxfp4_shard_shapes(hidden_size, intermediate_size_per_partition, layer)
+    E, H, I = layer.num_local_experts, hidden_size, intermediate_size_per_partition
+    # What SGLang's method records for its own apply paths (never reached for triton_situ).
+    self.num_experts, self.with_bias = num_experts, False
+    self.intermediate_size_per_partition, self.hidden_size = I, H
+    shapes = {
+        "w13_weight": ((E, 2 * I, H // 2), 0),
+        "w13_weight_scale": ((E, 2 * I, H // MXFP4_BLOCK), _E8M0_ONE),
+        "w2_weight": ((E, H, I // 2), 0),
+        "w2_weight_scale": ((E, H, I // MXFP4_BLOCK), _E8M0_ONE),
+    }
+    for name, (shape, fill) in shapes.items():
+        param = torch.nn.Parameter(torch.full(shape, fill, dtype=torch.uint8), requires_grad=False)
+        layer.register_parameter(name, param)
+        set_weight_attrs(param, extra_weight_attrs)
+        if name.endswith("_scale"):
+            param.quant_method = "group"  # FusedMoE's loader: a per-group scale, sharded like its weight
+    return None
+
+
+def build_layer_weights_mxfp4(layer: Any) -> Any:
+    """NVFP4MoEWeights from the layer's loaded MXFP4 tensors (E2M1 nibbles, E8M0 scales per 32)."""
+    from k3nvfp4.kernels import NVFP4MoEWeights
+
+    return NVFP4MoEWeights.from_mxfp4(
+        layer.w13_weight.data,
+        layer.w13_weight_scale.data,
+        layer.w2_weight.data,
+        layer.w2_weight_scale.data,
+    )
+
+
+def process_weights_hook(original_fn, self, layer):
+    if not _backend_is_ours():
+        return original_fn(self, layer)
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+    if getattr(self, "moe_runner_config", None) is not None and not self.moe_runner_config.is_gated:
+        raise NotImplementedError(f"{BACKEND_NAME} runs gated MoE only")
+    if getattr(layer.moe_runner_config, "gate_up_interleaved", False):
+        raise NotImplementedError(
+            f"{BACKEND_NAME}: interleaved w13 (gate/up alternating rows) is not supported; Kimi-K3 "
+            "loads w1 rows then w3 rows"
+        )
+    if get_moe_a2a_backend().is_megamoe():
+        raise NotImplementedError(f"{BACKEND_NAME} does not run under the MegaMoE a2a backend")
+    weights = build_layer_weights_mxfp4(layer)
+    setattr(layer, WEIGHTS_ATTR, weights)
+    free_checkpoint_params(layer, weights, _MXFP4_PARAMS)
+    log_active_once(layer, weights, source="MXFP4 (E8M0 scales per 32, read directly)")
+    return None
+
+
+def create_moe_runner_hook(original_fn, self, layer, moe_runner_config):
+    if not _backend_is_ours():
+        return original_fn(self, layer, moe_runner_config)
+    from sglang.srt.layers.moe import MoeRunner
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+
+    self.moe_runner_config = moe_runner_config
+    self.runner = MoeRunner(get_moe_runner_backend(), moe_runner_config)
+    return None
+
+
+def apply_hook(original_fn, self, layer, dispatch_output):
+    if not is_triton_situ(getattr(getattr(self, "runner", None), "runner_backend", None)):
+        return original_fn(self, layer, dispatch_output)
+    from .hooks import run_triton_situ
+
+    return run_triton_situ(self, layer, dispatch_output)
+
+
+HOOKS = (
+    (f"{_METHOD}.__init__", init_hook),
+    (f"{_METHOD}.create_weights", create_weights_hook),
+    (f"{_METHOD}.process_weights_after_loading", process_weights_hook),
+    (f"{_METHOD}.create_moe_runner", create_moe_runner_hook),
+    (f"{_METHOD}.apply", apply_hook),
+)
