@@ -96,20 +96,21 @@ def init_hook(original_fn, self, quant_config, *args, **kwargs):
 # --- create_weights ---------------------------------------------------------------------
 
 
-def check_shard_shapes(hidden_size: int, intermediate_size_per_partition: int, layer: Any) -> None:
-    """Clear errors for shapes NVFP4 blocks cannot tile (before any weight is loaded)."""
+def check_shard_shapes(hidden_size: int, intermediate_size_per_partition: int, layer: Any, *,
+                       block: int = NVFP4_BLOCK, block_name: str = "the NVFP4 block") -> None:  # fmt: skip
+    """Clear errors for shapes the checkpoint's scale blocks cannot tile (before any weight is loaded)."""
     tp_size = getattr(layer, "moe_tp_size", 1)
-    if intermediate_size_per_partition % NVFP4_BLOCK:
+    if intermediate_size_per_partition % block:
         raise ValueError(
             f"--moe-runner-backend {BACKEND_NAME}: the MoE intermediate size per rank is "
             f"{intermediate_size_per_partition} (moe_intermediate_size / moe tp size "
-            f"{tp_size}); it must be a multiple of {NVFP4_BLOCK}. Use a smaller --tp-size "
+            f"{tp_size}); it must be a multiple of {block_name} {block}. Use a smaller --tp-size "
             "or expert parallelism (--ep-size) for this model."
         )
-    if hidden_size % NVFP4_BLOCK:
+    if hidden_size % block:
         raise ValueError(
             f"--moe-runner-backend {BACKEND_NAME}: MoE hidden size {hidden_size} must be a "
-            f"multiple of {NVFP4_BLOCK}"
+            f"multiple of {block_name} {block}"
         )
 
 

@@ -24,7 +24,14 @@ from typing import Any
 import torch
 
 from . import BACKEND_NAME
-from .hooks import WEIGHTS_ATTR, check_device_supported, free_checkpoint_params, is_triton_situ, log_active_once
+from .hooks import (
+    WEIGHTS_ATTR,
+    check_device_supported,
+    check_shard_shapes,
+    free_checkpoint_params,
+    is_triton_situ,
+    log_active_once,
+)
 
 _METHOD = "sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod"
 MXFP4_BLOCK = 32
@@ -43,23 +50,6 @@ def init_hook(original_fn, self, *args, **kwargs):
     if _backend_is_ours():
         check_device_supported()
     return original_fn(self, *args, **kwargs)
-
-
-def check_mxfp4_shard_shapes(hidden_size: int, intermediate_size_per_partition: int, layer: Any) -> None:
-    """Clear errors for shards the 32-element MXFP4 scale blocks cannot tile."""
-    tp_size = getattr(layer, "moe_tp_size", 1)
-    if intermediate_size_per_partition % MXFP4_BLOCK:
-        raise ValueError(
-            f"--moe-runner-backend {BACKEND_NAME} on an MXFP4 checkpoint: the MoE intermediate size "
-            f"per rank is {intermediate_size_per_partition} (moe_intermediate_size / moe tp size "
-            f"{tp_size}); it must be a multiple of the MXFP4 block {MXFP4_BLOCK}. Use a smaller "
-            "--tp-size or expert parallelism (--ep-size)."
-        )
-    if hidden_size % MXFP4_BLOCK:
-        raise ValueError(
-            f"--moe-runner-backend {BACKEND_NAME}: MoE hidden size {hidden_size} must be a multiple "
-            f"of the MXFP4 block {MXFP4_BLOCK}"
-        )
 
 
 def create_weights_hook(
@@ -83,7 +73,8 @@ def create_weights_hook(
 
     if with_bias:
         raise NotImplementedError(f"{BACKEND_NAME}: MXFP4 MoE layers with biases are not supported")
-    check_mxfp4_shard_shapes(hidden_size, intermediate_size_per_partition, layer)
+    check_shard_shapes(hidden_size, intermediate_size_per_partition, layer, block=MXFP4_BLOCK,
+                       block_name="the MXFP4 block")
     E, H, I = layer.num_local_experts, hidden_size, intermediate_size_per_partition
     # What SGLang's method records for its own apply paths (never reached for triton_situ).
     self.num_experts, self.with_bias = num_experts, False

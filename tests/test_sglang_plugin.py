@@ -585,7 +585,7 @@ def test_layer_folds_routed_scaling_in_topk(single_rank_run):
 
 
 def test_intermediate_per_rank_must_be_multiple_of_16(one_rank, nvfp4_checkpoint):
-    with pytest.raises(ValueError, match="intermediate size per rank is 40 .*multiple of 16"):
+    with pytest.raises(ValueError, match="intermediate size per rank is 40 .*multiple of the NVFP4 block 16"):
         _build_layer(nvfp4_checkpoint, MOE_LAYER, intermediate_size=40)
 
 
@@ -783,20 +783,20 @@ def test_mxfp4_hooks_pass_other_backends_through_unchanged(one_rank):
 def test_mxfp4_shard_shapes_are_checked(one_rank):
     """triton_situ on MXFP4: a per-rank intermediate size the 32-blocks cannot tile, a hidden size
     likewise, and bias parameters are refused with errors that say what to do."""
+    from sglang.srt.layers.moe.utils import resolve_moe_runner_backend
     from sglang.srt.runtime_context import get_flags
 
     from k3nvfp4.sglang_ext import hooks_mxfp4
-    from sglang.srt.layers.moe.utils import resolve_moe_runner_backend
 
     layer = types.SimpleNamespace(moe_tp_size=4, num_local_experts=2)
-    with pytest.raises(ValueError, match=r"intermediate size per rank is 48 .* multiple of the MXFP4 block 32"):
-        hooks_mxfp4.check_mxfp4_shard_shapes(64, 48, layer)
-    with pytest.raises(ValueError, match="hidden size 80 must be a multiple of the MXFP4 block 32"):
-        hooks_mxfp4.check_mxfp4_shard_shapes(80, 64, layer)
     moe_flags = get_flags().moe
     saved = moe_flags.runner_backend
     moe_flags.runner_backend = resolve_moe_runner_backend("triton_situ")
     try:
+        with pytest.raises(ValueError, match=r"intermediate size per rank is 48 .* multiple of the MXFP4 block 32"):
+            hooks_mxfp4.create_weights_hook(None, types.SimpleNamespace(), layer, 2, 64, 48, torch.bfloat16)
+        with pytest.raises(ValueError, match="hidden size 80 must be a multiple of the MXFP4 block 32"):
+            hooks_mxfp4.create_weights_hook(None, types.SimpleNamespace(), layer, 2, 80, 64, torch.bfloat16)
         with pytest.raises(NotImplementedError, match="biases are not supported"):
             hooks_mxfp4.create_weights_hook(None, types.SimpleNamespace(), layer, 2, 64, 64, torch.bfloat16, with_bias=True)
         module = torch.nn.Module()
