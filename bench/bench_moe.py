@@ -20,11 +20,19 @@ Per point (shape, M):
             this GPU (device-to-device copy, 8192^3 bf16 matmul) are recorded too.
   speedup   over bf16 weights (the same dequantized values) with torch grouped GEMM
             (torch._grouped_mm where it works, else a per-expert loop: the JSON says which),
-            plus OpenAI triton_kernels / SGLang marlin when importable (else "not available: why").
-Correctness: before timing, at one M per shape, our kernel (NaN-poisoned output) and the bf16
-baseline are compared with fused_moe_nvfp4_reference (normwise error).
+            and over SGLang 0.5.23's NVFP4 marlin MoE (the Hopper path SGLang serves K3 with):
+            its CUDA kernels built from the installed sglang's sources into one library
+            (bench/peers/marlin, libk3marlin.so, built on the CPU machine and carried), the
+            weights repacked exactly as SGLang prepares them, driven as fused_marlin_moe drives
+            them (alignment, GEMM1, SiTU as a separate kernel, GEMM2, top-k sum; see
+            bench/peers/marlin/moe.py for the two kernels substituted). x_vs_marlin = marlin time /
+            our time. OpenAI triton_kernels when importable (else "not available: why").
+Weights: one scale_2 for w1 and w3 of an expert (as the K3 cast writes them and marlin needs).
+Correctness: before timing, at one M per shape, our kernel and marlin (NaN-poisoned outputs)
+and the bf16 baseline are compared with fused_moe_nvfp4_reference (normwise error); an arm that
+fails its check is reported, not timed.
 
-Writes <out-dir>/moe-<device>.json and moe-<device>.png. Run from the repo root:
+Writes <out-dir>/moe-<device>.json, .md (table) and .png. Run from the repo root:
   python bench/bench_moe.py                       # both shapes, all M (GPU; ~3-5 minutes)
   python bench/bench_moe.py --quick --m-list 1,64,1024
   python bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --quick   # interpreter smoke run
@@ -214,16 +222,120 @@ def probe_triton_kernels() -> str:
     return "not available: importable, but no adapter to its matmul_ogs API in this benchmark yet"
 
 
-def probe_marlin() -> str:
+def probe_marlin(cpu: bool):
+    """(MarlinLib or None, status): SGLang's NVFP4 marlin MoE through bench/peers/marlin's library."""
+    if cpu:
+        return None, "not available: the marlin arm runs on a CUDA GPU only (--device cpu)"
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     try:
-        import sgl_kernel  # noqa: F401
+        from peers.marlin.lib import load
+
+        lib = load()
+        why = lib.usable_driver()
+        if why:
+            return None, f"not available: {why}"
     except Exception as e:
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-        return f"not available: {type(e).__name__}: {first[:200]}"
-    return "not available: sgl_kernel importable, but no adapter to the marlin NVFP4 MoE in this benchmark yet"
+        return None, f"not available: {type(e).__name__}: {e}"
+    k = lib.info["key"]
+    return lib, (f"libk3marlin {lib.info['build_id']}: sglang {k['sglang_version']} marlin MoE (NVFP4, bf16), "
+                 f"nvcc {k['nvcc_version']}, {k['arch']}")
+
+
+def bench_weights(shape, device, seed: int):
+    """problem_weights' experts (uniform codes, mantissa-bearing E4M3 scales) with one scale_2 for
+    gate and up: what the K3 cast writes, and the only case marlin computes exactly."""
+    from k3nvfp4.kernels.testing import random_nvfp4_moe_weights
+
+    return random_nvfp4_moe_weights(shape.E, shape.H, shape.I, device=device, seed=seed, block_scales="uniform",
+                                    distinct_gate_up_scale_2=False)
 
 
 # --------------------------------------------------------------------------------------------
+
+
+MARLIN_TOL = 2e-2  # bf16, normwise, as our kernel's
+
+
+def marlin_arm(torch, lib, weights, shape, x, tw, ids, ref, info: dict):
+    """Prepare SGLang's marlin layout from the same NVFP4 tensors and check marlin's output against
+    the reference at the shape's check M (NaN-poisoned output). (MarlinMoE, None) when it passes,
+    else (None, why): a failing arm is reported, not timed."""
+    from peers.marlin.moe import MarlinMoE
+    from peers.marlin.prepare import prepare_marlin_weights
+    from k3nvfp4.kernels.tune import normwise_error
+
+    try:
+        t0 = time.monotonic()
+        mw = prepare_marlin_weights(weights, lib)
+        torch.cuda.synchronize()
+        prep_s = time.monotonic() - t0
+        marlin = MarlinMoE(lib, mw, global_experts=shape.global_experts)
+        out = torch.full((x.shape[0], shape.H), float("nan"), dtype=torch.bfloat16, device=x.device)
+        marlin(x.to(torch.bfloat16), tw, ids, out=out)
+        torch.cuda.synchronize()
+        err = normwise_error(out, ref)
+    except Exception as e:
+        info["marlin"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+        return None, f"not timed: {info['marlin']['error']}"
+    info["marlin"] = {"M": x.shape[0], "normwise_error": err, "tol": MARLIN_TOL, "ok": err <= MARLIN_TOL,
+                      "prepare_s": round(prep_s, 2), "is_ep": marlin.is_ep,
+                      "gate_up_scale_2_equal": mw.gate_up_scale_2_equal}
+    if not err <= MARLIN_TOL:
+        return None, f"not timed: failed its check (normwise error {err:.3g} > {MARLIN_TOL} vs the reference)"
+    return marlin, None
+
+
+def time_marlin(torch, marlin, x, tw, ids, shape, M: int, timer, nbytes: int, no_graph: bool) -> dict:
+    """One marlin MoE call timed like ours (graph replay when capture works; the eager time too),
+    plus the routing alignment alone and which alignment kernel SGLang would run here."""
+    from peers.marlin.moe import align_path, moe_block_size
+    from k3nvfp4.kernels.tune import normwise_error
+
+    xb = x.to(torch.bfloat16)
+    out = torch.empty(M, shape.H, dtype=torch.bfloat16, device=x.device)
+    call = lambda: marlin(xb, tw, ids, out=out)  # noqa: E731
+    t_eager, n = timer.measure(call)
+    t, mode, why = t_eager, "eager", None
+    if not no_graph:
+        fn, mode, why = graph_or_eager(torch, call, False)
+        if mode == "cuda_graph":
+            t, n = timer.measure(fn)
+            ref_out = out.clone()
+            out.fill_(float("nan"))
+            fn()
+            # atomic-add reduction: the summation order may differ between runs
+            if not torch.equal(out, ref_out) and normwise_error(out, ref_out.float()) > 1e-2:
+                raise RuntimeError("marlin: CUDA-graph replay differs from the eager call")
+    block = moe_block_size(M, shape.top_k, shape.E)
+    t_align, _ = timer.measure(lambda: marlin.align(ids, block))
+    sglang_align, here_align = align_path(M, shape.top_k, shape.global_experts, marlin.is_ep)
+    res = {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "GBps": nbytes / t / 1e9,
+           "pct_bw": 100 * nbytes / t / (H200_BW_TBPS * 1e12), "moe_block_size": block,
+           "align_us": t_align * 1e6, "align_sglang": sglang_align, "align_here": here_align,
+           "bytes": nbytes}
+    if why:
+        res["graph_failure"] = why
+    return res
+
+
+def markdown_table(result: dict) -> str:
+    """One row per point: ours, marlin, bf16 and the ratios."""
+    lines = [f"fused NVFP4 SiTU MoE on {result['device']} (torch {result['versions']['torch']}, triton "
+             f"{result['versions']['triton']}); marlin: {result['other_implementations']['sglang_marlin_nvfp4']}", "",
+             "| shape | M | triton_situ (us) | % of 4.8 TB/s | marlin (us) | marlin % of 4.8 TB/s | triton_situ / marlin "
+             "| bf16 grouped (us) | x vs bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        o, m, b = p.get("ours") or {}, p.get("sglang_marlin_nvfp4"), p.get("bf16")
+        mt = f"{m['time_us']:.1f}" if isinstance(m, dict) else "-"
+        mp = f"{m['pct_bw']:.1f}" if isinstance(m, dict) else "-"
+        lines.append(f"| {p['shape']} | {p['M']} | {o.get('time_us', float('nan')):.1f} | {o.get('pct_bw', float('nan')):.1f} "
+                     f"| {mt} | {mp} | {('x%.2f' % p['x_vs_marlin']) if 'x_vs_marlin' in p else '-'} "
+                     f"| {('%.1f' % b['time_us']) if isinstance(b, dict) else '-'} "
+                     f"| {('x%.2f' % p['speedup_vs_bf16']) if 'speedup_vs_bf16' in p else '-'} |")
+    notes = sorted({p["sglang_marlin_nvfp4"] for p in result["points"] if isinstance(p.get("sglang_marlin_nvfp4"), str)})
+    if notes:
+        lines += [""] + [f"marlin: {n}" for n in notes]
+    return "\n".join(lines)
 
 
 def bytes_moved(shape: "TuneShape", M: int, distinct: int, act_bytes: int = 2) -> dict:
@@ -263,7 +375,7 @@ def main(argv=None) -> int:
 
     from k3nvfp4.kernels import fused_moe_nvfp4, fused_moe_nvfp4_reference
     from k3nvfp4.kernels.moe_details.config import current_device_name, get_moe_config
-    from k3nvfp4.kernels.tune import Timer, TuneShape, normwise_error, problem_routing, problem_weights
+    from k3nvfp4.kernels.tune import Timer, TuneShape, normwise_error, problem_routing
 
     if not cpu and not torch.cuda.is_available():
         print("bench_moe.py: no CUDA device (use --device cpu for an interpreter smoke run)", file=sys.stderr)
@@ -284,6 +396,8 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     repo = pathlib.Path(__file__).resolve().parent.parent
 
+    marlin_lib, marlin_status = probe_marlin(cpu)
+    print(f"marlin: {marlin_status}", flush=True)
     result = {
         "device": device_name,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -301,8 +415,12 @@ def main(argv=None) -> int:
             "flops": "2 x valid_routes x (2I*H + I*H); valid_routes = pairs with a local expert id (M*top_k on "
                      "tp16; about M on ep16, the other ranks' routes are not this rank's work)",
             "speedup_vs_bf16": "bf16 baseline time / our time (ours: time_us, graph replay when captured)",
+            "x_vs_marlin": "SGLang marlin time / our time (both graph replay when captured): the issue's "
+                           "triton_situ / marlin ratio, > 1 means triton_situ is faster",
         },
-        "other_implementations": {"triton_kernels": probe_triton_kernels(), "sglang_marlin_nvfp4": probe_marlin()},
+        "other_implementations": {"triton_kernels": probe_triton_kernels(), "sglang_marlin_nvfp4": marlin_status},
+        "weights": "random NVFP4 (uniform E2M1 codes, E4M3 block scales with every mantissa, one scale_2 for "
+                   "w1/w3 of an expert, as the K3 cast writes)",
         "shapes": {},
         "points": [],
         "errors": [],
@@ -318,7 +436,7 @@ def main(argv=None) -> int:
         if args.time_budget:
             left = args.time_budget - (time.monotonic() - t0)
             shape_deadline = time.monotonic() + left / (len(shapes) - i_shape)
-        weights = problem_weights(shape, device, seed=args.seed)
+        weights = bench_weights(shape, device, seed=args.seed)
         w13_bf16 = w2_bf16 = None
         baseline_impl = None
         if not args.no_baseline:
@@ -357,6 +475,13 @@ def main(argv=None) -> int:
             info["check"]["baseline_normwise_error"] = berr
         print(f"   check M={M}: ours err {err:.2e} (tol {tol:g}){'' if err <= tol else '  FAILED'}"
               + (f", bf16 baseline err {berr:.2e} [{baseline_impl}]" if baseline_impl else ""), flush=True)  # fmt: skip
+        marlin, marlin_skip = None, result["other_implementations"]["sglang_marlin_nvfp4"]
+        if marlin_lib is not None:
+            marlin, marlin_skip = marlin_arm(torch, marlin_lib, weights, shape, x, tw, ids, ref, info)
+            if marlin is None:
+                failed = True
+                result["errors"].append(f"{name}: marlin: {marlin_skip}")
+            print(f"   marlin: {info['marlin']}", flush=True)
 
         for M in m_list:
             if shape_deadline is not None and time.monotonic() > shape_deadline:
@@ -417,11 +542,24 @@ def main(argv=None) -> int:
                                      "GBps": nbytes["bf16"] / tb / 1e9, "TFLOPs": flops / tb / 1e12}  # fmt: skip
                     point["speedup_vs_bf16"] = tb / t
                 point["triton_kernels"] = result["other_implementations"]["triton_kernels"]
-                point["sglang_marlin_nvfp4"] = result["other_implementations"]["sglang_marlin_nvfp4"]
+                if marlin is None:
+                    point["sglang_marlin_nvfp4"] = marlin_skip
+                else:
+                    try:
+                        point["sglang_marlin_nvfp4"] = time_marlin(torch, marlin, x, tw, ids, shape, M, timer,
+                                                                   nbytes["modelopt_nvfp4"], args.no_graph)
+                        point["x_vs_marlin"] = point["sglang_marlin_nvfp4"]["time_us"] / ours_res["time_us"]
+                    except Exception as e:  # reported per point; our figures stand
+                        failed = True
+                        point["sglang_marlin_nvfp4"] = f"error: {type(e).__name__}: {str(e)[:400]}"
+                        result["errors"].append(f"{name} M={M}: marlin: {point['sglang_marlin_nvfp4']}")
+                mres = point["sglang_marlin_nvfp4"]
                 print(f"   M={M:>6} ours {t * 1e6:9.1f} us ({mode}, eager {t_eager * 1e6:.1f}) "
                       f"{ours_res['GBps']:7.0f} GB/s {ours_res['pct_bw']:5.1f}% bw {ours_res['TFLOPs']:6.1f} TFLOP/s"
                       + (f" | bf16 {point['bf16']['time_us']:9.1f} us x{point['speedup_vs_bf16']:.2f}"
-                         if "speedup_vs_bf16" in point else ""), flush=True)  # fmt: skip
+                         if "speedup_vs_bf16" in point else "")
+                      + (f" | marlin {mres['time_us']:9.1f} us x{point['x_vs_marlin']:.2f}"
+                         if "x_vs_marlin" in point else ""), flush=True)  # fmt: skip
             except Exception as e:
                 failed = True
                 point["error"] = f"{type(e).__name__}: {e}"
@@ -430,7 +568,7 @@ def main(argv=None) -> int:
                 if not cpu:
                     torch.cuda.synchronize()
             result["points"].append(point)
-        del weights, w13_bf16, w2_bf16
+        del weights, w13_bf16, w2_bf16, marlin
         if not cpu:
             torch.cuda.empty_cache()
 
@@ -444,6 +582,9 @@ def main(argv=None) -> int:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, json_path)
     print(f"wrote {json_path}")
+    md_path = out_dir / f"moe-{slug}.md"
+    md_path.write_text(markdown_table(result) + "\n")
+    print(f"wrote {md_path}")
     if not args.no_plot:
         try:
             png = plot(result, out_dir / f"moe-{slug}.png")
@@ -480,7 +621,14 @@ def evaluate_targets(points: list[dict]) -> list[dict]:
         sel = [p for p in pts(shape, 1, 256) if "speedup_vs_bf16" in p]
         add(f">= 3x over bf16 grouped GEMM at M<=256 ({shape})", sel,
             lambda p: f"x{p['speedup_vs_bf16']:.2f}", lambda p: p["speedup_vs_bf16"] >= 3)
+    for shape in ("tp16", "ep16"):
+        sel = [p for p in pts(shape, 1, 1024) if p["M"] in MARLIN_TARGET_M and "x_vs_marlin" in p]
+        add(f">= 1.3x SGLang marlin at M in {{1,4,16,64,256,1024}} ({shape})", sel,
+            lambda p: f"x{p['x_vs_marlin']:.2f}", lambda p: p["x_vs_marlin"] >= 1.3)
     return out
+
+
+MARLIN_TARGET_M = (1, 4, 16, 64, 256, 1024)
 
 
 def plot(result: dict, path: pathlib.Path) -> pathlib.Path:
@@ -489,17 +637,26 @@ def plot(result: dict, path: pathlib.Path) -> pathlib.Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.2))
     for name in result["shapes"]:
         pts = [p for p in result["points"] if p["shape"] == name and "ours" in p]
         if not pts:
             continue
         ms = [p["M"] for p in pts]
         ax1.plot(ms, [p["ours"]["pct_bw"] for p in pts], "o-", label=f"{name} ours")
+        mb = [(p["M"], p["sglang_marlin_nvfp4"]["pct_bw"]) for p in pts if isinstance(p.get("sglang_marlin_nvfp4"), dict)]
+        if mb:
+            ax1.plot(*zip(*mb), "s--", label=f"{name} marlin")
         sp = [(p["M"], p["speedup_vs_bf16"]) for p in pts if "speedup_vs_bf16" in p]
         if sp:
             ax2.plot(*zip(*sp), "o-", label=f"{name} vs {result['shapes'][name]['baseline_impl']}")
-    for ax in (ax1, ax2):
+        sm = [(p["M"], p["x_vs_marlin"]) for p in pts if "x_vs_marlin" in p]
+        if sm:
+            ax3.plot(*zip(*sm), "o-", label=f"{name}")
+    ax3.axhline(1.3, color="r", lw=0.8, ls=":", label="target 1.3")
+    ax3.axhline(1.0, color="k", lw=0.8)
+    ax3.set_ylabel("triton_situ / marlin (marlin time / ours)")
+    for ax in (ax1, ax2, ax3):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")
         ax.grid(True, alpha=0.3)

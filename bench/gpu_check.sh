@@ -11,17 +11,20 @@
 #   1. env       nvidia-smi, versions, import check
 #   2. tests_gpu pytest -m gpu (GPU tests of the suite; files that need sglang fail to collect: recorded)
 #   3. tune_tp16 / 4. tune_ep16   k3nvfp4-tune on the K3 TP16 / EP16 shards, small space, time-boxed
-#   5. bench     bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR)
+#   5. marlin_lib  SGLang's marlin MoE library (bench/peers/marlin, libk3marlin.so, built on the CPU machine
+#                with sglang + nvcc and CARRIED here: carry build/peers/marlin/lib): its build info (nvcc
+#                version, arch), CUDA driver/runtime, exports, argument checks. --cpu-rehearsal builds it first.
+#   5b. bench    bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR), marlin arm included
 #   6. sass      bench/sass_report.py for the installed Triton (offline compile, no GPU needed): the static
 #                issue-bound ceiling of each point, put beside the measured bandwidth in summary.json
 #   7. tests_kernels  the kernels' CPU-suite files, on CUDA tensors (no interpreter there)
-# Worst case (every step at its limit) about 8.5 minutes; typically less.
+# Worst case (every step at its limit) about 9.5 minutes; typically less.
 # Writes under $OUT (default ./gpu_out): summary.json (each step's exit status and time, test counts,
 # headline figures), gpu_check.log (all output), moe-<device>.json/.png, tuned_configs.json
 # ({config file name: content}; names hold '=' and ',', which the device tool does not bring back),
 # extras.tgz (per-step logs, junit XML, tuner reports, the tuned JSON files under their real names).
 # Exit status: 0 all steps passed, 1 some step failed, 3 no GPU (after the import check).
-# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH T_SASS.
+# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH T_SASS T_MARLIN_LIB.
 set -u
 set -o pipefail
 
@@ -47,8 +50,9 @@ STEPS=$WORK/steps.tsv
 T_TESTS_GPU=${T_TESTS_GPU:-75}
 T_TESTS_KERNELS=${T_TESTS_KERNELS:-60}
 T_TUNE=${T_TUNE:-60}
-T_BENCH=${T_BENCH:-150}
+T_BENCH=${T_BENCH:-180}
 T_SASS=${T_SASS:-60}
+T_MARLIN_LIB=${T_MARLIN_LIB:-30}
 T0=$(date +%s)
 
 log() { echo "$*" | tee -a "$LOG"; }
@@ -110,11 +114,24 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
     summary["bench_checks"] = {k: v.get("check") for k, v in r.get("shapes", {}).items()}
     summary["measured_ceilings"] = r.get("measured_ceilings")
     summary["targets"] = r.get("targets", [])
+    summary["bench_marlin"] = {"status": r.get("other_implementations", {}).get("sglang_marlin_nvfp4"),
+                               "checks": {k: v.get("marlin") for k, v in r.get("shapes", {}).items()}}
     for pt in r.get("points", []):
         o = pt.get("ours", {})
+        m = pt.get("sglang_marlin_nvfp4")
         head.append({"shape": pt["shape"], "M": pt["M"], "us": round(o.get("time_us", float("nan")), 1),
                      "pct_bw": round(o.get("pct_bw", float("nan")), 1), "TFLOPs": round(o.get("TFLOPs", float("nan")), 1),
-                     "x_bf16": round(pt.get("speedup_vs_bf16", float("nan")), 2), "error": pt.get("error")})
+                     "x_bf16": round(pt.get("speedup_vs_bf16", float("nan")), 2), "error": pt.get("error"),
+                     "marlin_us": round(m["time_us"], 1) if isinstance(m, dict) else None,
+                     "x_marlin": round(pt["x_vs_marlin"], 2) if "x_vs_marlin" in pt else None})
+ml = os.path.join(out, "marlin-lib.json")
+if os.path.exists(ml):
+    lib = json.load(open(ml))
+    key = (lib.get("build") or {}).get("key") or {}
+    summary["marlin_lib"] = {"build_id": lib["build"].get("build_id"), "nvcc": key.get("nvcc_version"),
+                             "arch": key.get("arch"), "sglang": key.get("sglang_version"),
+                             "cuda_driver": lib.get("cuda_driver"), "cuda_runtime": lib.get("cuda_runtime"),
+                             "size_bytes": lib.get("linkage", {}).get("size_bytes"), "failures": lib.get("failures")}
 # static issue-bound ceiling (sass_report, same configs) beside the measured bandwidth
 sass_path = os.path.join(out, "sass-sm90.json")
 if os.path.exists(sass_path):
@@ -136,9 +153,14 @@ for k, v in summary["tests"].items():
 for h in head:
     print(f"{h['shape']:<5} M={h['M']:>6} {h['us']:>9} us {h['pct_bw']:>5}% bw {h['TFLOPs']:>6} TFLOP/s x{h['x_bf16']} vs bf16"
           + (f" (static ceiling {h['static_ceiling_pct']}%)" if h.get("static_ceiling_pct") else "")
+          + (f" | marlin {h['marlin_us']} us, x{h['x_marlin']}" if h.get("x_marlin") is not None else "")
           + (f"  ERROR {h['error']}" if h["error"] else ""))
 for t in summary.get("targets", []):
     print(f"target {t['target']}: {t['verdict']} ({t['measured']})")
+if summary.get("marlin_lib"):
+    print("marlin library:", summary["marlin_lib"])
+if summary.get("bench_marlin"):
+    print("marlin arm:", summary["bench_marlin"]["status"])
 if summary.get("measured_ceilings"):
     print("measured ceilings:", summary["measured_ceilings"])
 PYEOF
@@ -180,6 +202,8 @@ TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --E 896 --H 3584 --I 192 --top-k 16 --ba
 TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --E 56 --global-experts 896 --H 3584 --I 3072 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
 BENCH="$PY bench/bench_moe.py --out-dir $OUT --time-budget $((T_BENCH - 40))"
 SASS="$PY -P bench/sass_report.py --no-peers --out $OUT/sass-sm90.json"
+# The GPU machine has no sglang / nvcc: the library is only checked there (built on the CPU machine).
+MARLIN_LIB="$PY -P bench/peers/marlin/selfcheck.py --json $OUT/marlin-lib.json"
 # CPU-suite files of the kernels: on a GPU machine they run on CUDA tensors (no interpreter there).
 KERNEL_TESTS=$(ls tests/test_tune.py tests/test_moe_config.py tests/test_routing.py tests/test_moe.py \
     tests/test_layout.py tests/test_formats.py tests/test_cast.py tests/test_cast_triton.py tests/test_moe_checkpoint.py 2>/dev/null | tr '\n' ' ')
@@ -192,6 +216,9 @@ if [ "$REHEARSAL" = 1 ]; then
     TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --device cpu --E 4 --global-experts 16 --H 48 --I 32 --top-k 4 --batch-sizes 2 --space tiny --iters 1 --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
     BENCH="$PY bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --m-list 1,8 --quick --out-dir $OUT"
     SASS="$PY -P bench/sass_report.py --no-peers --shapes tp16 --m-list 1 --out $OUT/sass-sm90.json"
+    # build (cached by source hash: ~3-4 min on 2 cores the first time, seconds after), then the same checks
+    MARLIN_LIB="$PY -P bench/peers/marlin/build.py --check --json $OUT/marlin-lib.json"
+    T_MARLIN_LIB=${T_MARLIN_LIB_BUILD:-900}
     KERNEL_TESTS="tests/test_tune.py"
 fi
 if [ "$DRY_RUN" = 1 ]; then
@@ -201,6 +228,7 @@ if [ "$DRY_RUN" = 1 ]; then
     log "  tests_kernels ($T_TESTS_KERNELS s): $PY -P -m pytest -q -m 'not gpu' $KERNEL_TESTS"
     log "  tune_tp16     ($T_TUNE s): $TUNE_TP"
     log "  tune_ep16     ($T_TUNE s): $TUNE_EP"
+    log "  marlin_lib    ($T_MARLIN_LIB s): $MARLIN_LIB"
     log "  bench         ($T_BENCH s): K3NVFP4_MOE_CONFIG_DIR=$WORK/configs $BENCH"
     log "  sass          ($T_SASS s): $SASS"
     finish dry_run 0
@@ -224,7 +252,11 @@ step tune_tp16 "$T_TUNE" $TUNE_TP
 # shellcheck disable=SC2086
 step tune_ep16 "$T_TUNE" $TUNE_EP
 
-# ---- 5. benchmark with the configs just tuned --------------------------------------------------
+# ---- 5. SGLang's marlin MoE library (the bench's marlin arm): build info, versions, checks -------
+# shellcheck disable=SC2086
+step marlin_lib "$T_MARLIN_LIB" $MARLIN_LIB
+
+# ---- 5b. benchmark with the configs just tuned --------------------------------------------------
 export K3NVFP4_MOE_CONFIG_DIR=$WORK/configs
 # shellcheck disable=SC2086
 step bench "$T_BENCH" $BENCH
