@@ -1,9 +1,12 @@
 """Fused NVFP4 gated MoE (SiTU / SiLU) in Triton: W4A16, FP4 weights dequantized in registers.
 
-One call = routing alignment (3 small Triton kernels + a memset, no host sync) + GEMM1 with the gated activation fused in
-its epilogue (+ a small activation kernel when GEMM1 is split over K) + GEMM2 with scale_2,
-routing weight and the top-k reduction. Every buffer is sized by the worst case, nothing reads
-device values on the host, so the whole call can be captured in a CUDA graph.
+One call = 3 launches up to 1024 (token, slot) pairs (K3 decode: M <= 64 at top-16), no memset,
+no host sync: routing alignment in one program, GEMM1 with the gated activation fused in its
+epilogue, GEMM2 with scale_2, routing weight, the top-k sum, routed_scaling_factor and the cast
+to the output. Above 1024 pairs the routing takes 3 kernels + a memset; atomic_reduce adds a
+memset of its fp32 accumulator. Every buffer is sized by the worst case, nothing reads device
+values on the host, so the whole call can be captured in a CUDA graph. act_quant="nvfp4" /
+"mxfp8" hands the call to the FP4 tensor-core kernels of moe_fp4.py (Blackwell's block-scaled MMA).
 
 Kernel design (moe_details/kernels.py):
 - tokens of one expert are grouped into block_m-row blocks (routing.py); program (b, n, s)
@@ -13,11 +16,17 @@ Kernel design (moe_details/kernels.py):
   activation dtype (bf16 for bf16 inputs) - the "intermediate rounded to the activation dtype".
 - swap_ab: accumulator is W x X^T, i.e. weight rows on the MMA M side and tokens on N: at decode
   a block has 1-16 real tokens, and Hopper's wgmma wants M >= 64.
-- split-K: GEMM1 writes fp32 partials and a second kernel sums them in a fixed order before the
-  activation (nonlinear, so it must come after the sum); GEMM2 adds with fp32 atomics.
-- reduction over top-k: deterministic by default (fp32 [M*k, H] rows, summed over k in a fixed
-  order); MoEConfig.atomic_reduce adds straight into fp32 [M, H] (less traffic; order not fixed).
-  ``deterministic=True`` forces split_k2 = 1 and the store path whatever the config.
+- arrival counters instead of extra launches: a program stores its fp32 result, then counts
+  itself on an int32 counter (barrier + acq_rel atomic; the counters are zeroed by the routing
+  launch, earlier on the stream). The program that arrives last finishes the work, reading the
+  others' results in a FIXED order; nobody waits, so programs need not be co-resident.
+  GEMM1 split over K: the last K slice of a (block, column tile) sums the slices in slice order
+  and applies the activation. GEMM2: the last arrival for a (token, column tile) sums the
+  token's per-(slice, slot) fp32 rows in slot order, scales, casts and writes the output.
+- reduction over top-k: deterministic by default (fp32 [split_k2, M*k, H] rows, summed in a
+  fixed order, bitwise reproducible whatever the order programs run in); MoEConfig.atomic_reduce
+  adds straight into fp32 [M, H] (less traffic at large M; order not fixed).
+  ``deterministic=True`` forces the store path whatever the config.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import triton.language as tl
 from .interpreter import kernels_interpreted
 from .moe_details import kernels as _k
 from .moe_details.config import MoEConfig, get_moe_config
-from .moe_details.routing import align_routing_triton
+from .moe_details.routing import align_routing_triton, max_padded_blocks
 from .moe_details.validate import validate_moe_inputs
 from .moe_details.weights import NVFP4MoEWeights
 from .moe_reference import fused_moe_nvfp4_reference
@@ -53,6 +62,8 @@ def fused_moe_nvfp4(
     out: torch.Tensor | None = None,
     config: MoEConfig | None = None,
     deterministic: bool = False,
+    act_quant: str = "none",
+    input_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer.
 
@@ -63,8 +74,26 @@ def fused_moe_nvfp4(
     "silu". The weighted sum over k is multiplied by routed_scaling_factor (None = 1), as SGLang
     does after its moe_sum. out: optional [M, H] destination in hidden_states' dtype.
     config: launch config overriding the tuned/heuristic lookup (the tuner passes it).
+    act_quant: "none" (W4A16, this module's kernels), or an FP4 tensor-core mode of
+    :func:`k3nvfp4.kernels.moe_fp4.fused_moe_fp4`: "nvfp4" (W4A4: NVFP4 activations and
+    intermediate) or "mxfp8" (W4A8: MXFP8 activations against MXFP4 weights); weights may then be
+    FP4MMAWeights (prepare once) or NVFP4MoEWeights (converted once, cached); input_scale: the
+    static NVFP4 activation scale ("nvfp4" only; None = dynamic per token); ``config`` and
+    ``deterministic`` do not apply there (its top-k sum is always in slot order).
     Returns [M, H] in hidden_states' dtype.
     """
+    if act_quant != "none":
+        if config is not None:
+            raise ValueError(f"fused_moe_nvfp4: config is a W4A16 MoEConfig; act_quant={act_quant!r} runs "
+                             "fused_moe_fp4 (pass its FP4MoEConfig there)")  # fmt: skip
+        from .moe_fp4 import fused_moe_fp4
+
+        return fused_moe_fp4(hidden_states, weights, topk_weights, topk_ids, act_quant=act_quant,
+                             activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                             routed_scaling_factor=routed_scaling_factor, input_scale=input_scale, out=out)  # fmt: skip
+    if input_scale is not None:
+        raise ValueError("fused_moe_nvfp4: input_scale is the NVFP4 activation scale of act_quant='nvfp4'; "
+                         "the W4A16 path (act_quant='none') takes unquantized activations")
     validate_moe_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out)
     device = hidden_states.device
     interp = kernels_interpreted()
@@ -83,8 +112,8 @@ def fused_moe_nvfp4(
 
     if config is None:
         config = get_moe_config(E, H, I, k, M)
-    if deterministic and (config.split_k2 > 1 or config.atomic_reduce):
-        config = dataclasses.replace(config, split_k2=1, atomic_reduce=False)
+    if deterministic and config.atomic_reduce:
+        config = dataclasses.replace(config, atomic_reduce=False)
 
     # The interpreter's tl.dot on 16-bit operands is wrong (FACTS.md): fp32 dots there. fp32
     # inputs get IEEE fp32 dots (no TF32) so that the exact tests mean something on a GPU.
@@ -95,24 +124,31 @@ def fused_moe_nvfp4(
     has_lb = activation == "situ" and situ_linear_beta is not None
     beta = float(situ_beta)
     lb = float(situ_linear_beta) if has_lb else 1.0
+    scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
 
-    routing = align_routing_triton(topk_ids, E, config.block_m)
     num_pairs = M * k
-    max_blocks, max_padded = routing.max_blocks, routing.max_padded
+    tiles1, tiles2 = _cdiv(I, config.block_n1), _cdiv(H, config.block_n2)
+    max_blocks = max_padded_blocks(num_pairs, E, config.block_m)
+    # Arrival counters, zeroed by the routing launch: GEMM1's per (block, column tile) when it is
+    # split over K (offset rounded to 128 bytes), then GEMM2's per (token, column tile).
+    n_t1 = _cdiv(max_blocks * tiles1, 32) * 32 if config.split_k1 > 1 else 0
+    tickets = torch.empty(n_t1 + M * tiles2, dtype=torch.int32, device=device)
+    tickets1, tickets2 = tickets[:n_t1] if n_t1 else tickets, tickets[n_t1:]
+
+    routing = align_routing_triton(topk_ids, E, config.block_m, tickets)
+    max_padded = routing.max_padded
     tw = topk_weights.contiguous()
 
     # GEMM1 (+ activation) -> intermediate [max_padded, I] in the activation dtype.
     inter = torch.empty(max_padded, I, dtype=dtype, device=device)
-    grid1 = (max_blocks, _cdiv(I, config.block_n1), config.split_k1)
     if config.split_k1 > 1:
         part = torch.empty(config.split_k1, max_padded, 2 * I, dtype=torch.float32, device=device)
-        target1 = part
     else:
-        target1 = inter
-    _k.gemm1_gated_kernel[grid1](
+        part = inter  # not read
+    _k.gemm1_gated_kernel[(max_blocks, tiles1, config.split_k1)](
         hidden_states, hidden_states.stride(0), hidden_states.stride(1),
         weights.w13, weights.w13_scale, weights.w13_scale_2, weights.w13_k_tiles,
-        target1,
+        inter, part, tickets1,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         num_pairs, k, H, I,
         beta, lb,
@@ -122,56 +158,28 @@ def fused_moe_nvfp4(
         EVEN_K=H % config.block_k1 == 0,
         num_warps=config.num_warps1, num_stages=config.num_stages1,
     )
-    if config.split_k1 > 1:
-        act_bn = min(64, _next_pow2(I))
-        _k.gated_activation_kernel[(max_blocks, _cdiv(I, act_bn))](
-            part, inter, routing.num_padded, I, max_padded,
-            beta, lb,
-            ACT=act, HAS_LINEAR_BETA=has_lb, SPLIT_K=config.split_k1,
-            BLOCK_M=config.block_m, BLOCK_N=act_bn,
-            num_warps=4,
-        )
 
-    # GEMM2 x scale_2 x routing weight, reduced over top-k.
-    row_is_token = config.atomic_reduce
-    use_atomic = row_is_token or config.split_k2 > 1
-    if row_is_token:
-        acc = torch.zeros(M, H, dtype=torch.float32, device=device)
-    elif use_atomic:  # split-K adds into per-pair rows; rows of dropped pairs stay unread
-        acc = torch.zeros(num_pairs, H, dtype=torch.float32, device=device)
-    else:  # plain stores; rows of dropped pairs are skipped by the combine kernel
-        acc = torch.empty(num_pairs, H, dtype=torch.float32, device=device)
-    grid2 = (max_blocks, _cdiv(H, config.block_n2), config.split_k2)
-    _k.gemm2_combine_kernel[grid2](
-        inter,
-        weights.w2, weights.w2_scale, weights.w2_scale_2, weights.w2_k_tiles,
-        tw, acc,
-        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        num_pairs, k, H, I, 1.0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
-        SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
-        EVEN_K=I % config.block_k2 == 0, USE_ATOMIC=use_atomic, ROW_IS_TOKEN=row_is_token,
-        num_warps=config.num_warps2, num_stages=config.num_stages2,
-    )
-    scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
+    # GEMM2 x scale_2 x routing weight, summed over top-k, x routed_scaling_factor, cast: out.
+    if config.atomic_reduce:
+        buf = torch.zeros(M, H, dtype=torch.float32, device=device)
+    else:  # rows of dropped pairs are never written and never read
+        buf = torch.empty(config.split_k2, num_pairs, H, dtype=torch.float32, device=device)
     if out is None:
         out = torch.empty(M, H, dtype=dtype, device=device)
-    if row_is_token:
-        # SGLang multiplies the summed output by routed_scaling_factor (moe_sum then mul).
-        out.copy_(acc * scale if routed_scaling_factor is not None else acc)
-        return out
-    block_h = min(1024, _next_pow2(H))
-    _k.combine_topk_kernel[(M, _cdiv(H, block_h))](
-        acc, topk_ids, topk_ids.stride(0), topk_ids.stride(1), out, out.stride(0), out.stride(1),
-        k, H, E, scale,
-        BLOCK_H=block_h, num_warps=4,
+    _k.gemm2_combine_kernel[(max_blocks, tiles2, config.split_k2)](
+        inter,
+        weights.w2, weights.w2_scale, weights.w2_scale_2, weights.w2_k_tiles,
+        tw, topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+        buf, out, out.stride(0), out.stride(1), tickets2,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        num_pairs, k, E, H, I, scale,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
+        SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
+        EVEN_K=I % config.block_k2 == 0, ATOMIC=config.atomic_reduce,
+        num_warps=config.num_warps2, num_stages=config.num_stages2,
     )
     return out
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()

@@ -225,10 +225,6 @@ def _expand_stage(stage: dict[str, list], best: MoEConfig) -> list[MoEConfig]:
             cfg = dataclasses.replace(best, **c)
         except (TypeError, ValueError):
             continue
-        if cfg.split_k2 > 1 and not cfg.atomic_reduce:
-            if c.get("atomic_reduce") is False:
-                continue  # GEMM2 split-K implies atomic reduction: this combination is not a config
-            cfg = dataclasses.replace(cfg, atomic_reduce=True)
         out[cfg] = None
     return list(out)
 

@@ -3,6 +3,8 @@ reference against an independent numpy / ml_dtypes computation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -185,9 +187,12 @@ def test_deterministic_flag_overrides_atomic_config():
     w = W(E, H, I, seed=4)
     tw, ids = R(M, k, E, seed=4)
     x = randn(M, H)
-    a = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS["splitk"], deterministic=True)
-    b = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS["splitk"], deterministic=True)
+    a = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS["atomic"], deterministic=True)
+    b = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS["atomic"], deterministic=True)
     assert torch.equal(a, b)
+    # deterministic=True runs the store path: the same bits as the config without atomics.
+    plain = dataclasses.replace(CONFIGS["atomic"], atomic_reduce=False)
+    assert torch.equal(a, fused_moe_nvfp4(x, w, tw, ids, config=plain))
     assert rel_err(a, fused_moe_nvfp4_reference(x, w, tw, ids)) < FP32_REL
 
 
@@ -415,3 +420,132 @@ def test_triton_fp4_decode_every_byte_and_scale(block_n, block_k, rows, k):
     assert torch.signbit(ref).sum() > (ref == 0).logical_and(torch.signbit(ref)).sum() > 0
     last = ref[rows - 16 : rows].repeat((grid_rows - rows) // 16, 1)
     assert torch.equal(out[rows:].cpu(), last)  # clamped row tiles re-read the last tile
+
+
+# ---------------------------------------------------------------- the fused top-k combine (arrival counters)
+
+import contextlib  # noqa: E402
+
+from k3nvfp4.kernels.testing import kimi_routing  # noqa: E402
+
+
+@contextlib.contextmanager
+def programs_in_order(order: str, seed: int = 0):
+    """Run the interpreter's programs of every launch in another order: "reverse" or "shuffle"
+    (a seeded permutation per launch). The interpreter runs programs one after another, so this
+    changes which program of a tile / token arrives last and in which order they arrive."""
+    from triton.runtime import interpreter as ti
+
+    builder = ti.interpreter_builder
+    orig_dim, orig_idx = builder.set_grid_dim, builder.set_grid_idx
+    state = {"dims": (1, 1, 1), "perm": None}
+    g = torch.Generator().manual_seed(seed)
+
+    def set_grid_dim(nx, ny, nz):
+        n = nx * ny * nz
+        state["dims"] = (nx, ny, nz)
+        state["perm"] = (torch.arange(n - 1, -1, -1) if order == "reverse" else torch.randperm(n, generator=g)).tolist()
+        return orig_dim(nx, ny, nz)
+
+    def set_grid_idx(x, y, z):
+        nx, ny, nz = state["dims"]
+        lin = state["perm"][(x * ny + y) * nz + z]
+        return orig_idx(lin // (ny * nz), (lin // nz) % ny, lin % nz)
+
+    builder.set_grid_dim, builder.set_grid_idx = set_grid_dim, set_grid_idx
+    try:
+        yield
+    finally:
+        builder.set_grid_dim, builder.set_grid_idx = orig_dim, orig_idx
+
+
+@triton.jit
+def _arrival_kernel(ticket_ptr, out_ptr):
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(out_ptr + pid, tl.atomic_add(ticket_ptr, 1))
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="programs_in_order drives the interpreter; a GPU orders programs itself")
+def test_program_order_patch_changes_arrival_order():
+    """The helper below really reorders programs (else the determinism tests would prove nothing)."""
+    arrivals = {}
+    for order in ("natural", "reverse", "shuffle"):
+        ticket, out = torch.zeros(1, dtype=torch.int32), torch.full((12,), -1, dtype=torch.int32)
+        with programs_in_order(order) if order != "natural" else contextlib.nullcontext():
+            _arrival_kernel[(3, 4)](ticket, out)
+        arrivals[order] = out.tolist()
+        assert sorted(arrivals[order]) == list(range(12))
+    assert arrivals["natural"] == list(range(12))
+    assert arrivals["reverse"] == list(range(11, -1, -1))
+    assert arrivals["shuffle"] not in (arrivals["natural"], arrivals["reverse"])
+
+
+COMBINE_CASES = [
+    # (config, E, k, M, H, I): split-K GEMM1 + GEMM2 (both finished by the last slice), the
+    # plain path, no swap-AB.
+    ("splitk", 8, 4, 9, 128, 64),
+    ("default", 8, 4, 9, 128, 64),
+    ("noswap", 5, 3, 6, 64, 32),
+]
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="program order is the interpreter's")
+@pytest.mark.parametrize("cfg,E,k,M,H,I", COMBINE_CASES)
+def test_combine_is_bitwise_independent_of_program_order(cfg, E, k, M, H, I):
+    """Deterministic mode: the same bits whatever order the programs run (and so arrive) in,
+    including the split-K slices; ids of other ranks (-1), a token with no local expert, a
+    token routed twice to one expert, routed_scaling_factor and out= on a strided view."""
+    w = W(E, H, I, seed=E + M)
+    tw, ids = R(M, k, E, seed=M, num_global_experts=2 * E)  # about half the ids are -1
+    ids[0] = -1  # no expert of this rank: exact zeros
+    ids[1, :2] = ids[1, 0].clamp(min=0)  # the same expert in two slots
+    x = randn(M, H, seed=M)
+    kw = dict(routed_scaling_factor=2.5, deterministic=True, config=CONFIGS[cfg])
+    ref = fused_moe_nvfp4_reference(x, w, tw, ids, routed_scaling_factor=2.5)
+    results = []
+    for order in ("natural", "reverse", "shuffle"):
+        store = torch.full((M, 2 * H), float("nan"), device=DEV)
+        out = store[:, ::2]  # strided destination; NaN where nothing would be written
+        with programs_in_order(order, seed=M) if order != "natural" else contextlib.nullcontext():
+            res = fused_moe_nvfp4(x, w, tw, ids, out=out, **kw)
+        assert res is out
+        results.append(out.clone())
+    assert torch.equal(results[0][0], torch.zeros(H, device=DEV))
+    assert rel_err(results[0], ref) < FP32_REL
+    for r in results[1:]:
+        assert torch.equal(r, results[0])
+    assert torch.isnan(store[:, 1::2]).all()  # nothing written outside the view
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="program order is the interpreter's")
+def test_atomic_combine_in_any_program_order_matches_reference():
+    """atomic_reduce (the documented non-deterministic option): any arrival order gives the
+    reference within the fp32 bound; the last arrival of each token writes it exactly once."""
+    E, k, M, H, I = 8, 4, 9, 128, 64
+    w = W(E, H, I, seed=3)
+    tw, ids = R(M, k, E, seed=3, num_global_experts=12)
+    x = randn(M, H, seed=3)
+    ref = fused_moe_nvfp4_reference(x, w, tw, ids, routed_scaling_factor=0.5)
+    for order in ("reverse", "shuffle"):
+        with programs_in_order(order, seed=7):
+            got = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS["atomic"], routed_scaling_factor=0.5)
+        assert rel_err(got, ref) < FP32_REL
+
+
+@pytest.mark.parametrize("cfg,M", [("splitk", 1), ("atomic", 1), ("default", 2)])
+def test_decode_sizes_with_kimi_routing(cfg, M):
+    """M = 1 / 2 with K3-like skewed routing over a rank's share of the experts (EP: ids outside
+    the local range are -1), twice: deterministic configs give identical bits."""
+    E_global, E, k, H, I = 32, 8, 8, 128, 64
+    w = W(E, H, I, seed=M)
+    tw, ids = kimi_routing(M, k, E_global, local_experts=range(8, 16), skew=2.0, seed=M, device=DEV)
+    x = randn(M, H, seed=M)
+    a = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS[cfg])
+    b = fused_moe_nvfp4(x, w, tw, ids, config=CONFIGS[cfg])
+    ref = fused_moe_nvfp4_reference(x, w, tw, ids)
+    if ref.abs().max() == 0:
+        assert torch.equal(a, ref)
+    else:
+        assert rel_err(a, ref) < FP32_REL
+    if cfg != "atomic":
+        assert torch.equal(a, b)

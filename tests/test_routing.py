@@ -13,6 +13,7 @@ from k3nvfp4.kernels.moe_details.routing import (
     align_routing_triton,
     max_padded_blocks,
 )
+from k3nvfp4.kernels.moe_details.routing_kernels import SMALL_MAX_PAIRS
 
 IMPLS = [align_routing, align_routing_triton]
 
@@ -80,3 +81,30 @@ def test_worst_case_fits(impl, dtype):
     r = impl(ids, E, block_m)
     assert int(r.num_padded[0]) == E * block_m == r.max_padded
     assert r.block_expert_ids.tolist() == list(range(E))
+
+
+@pytest.mark.parametrize("M,k,E", [(70, 8, 40), (300, 4, 40), (1, 16, 896), (64, 16, 896)])
+def test_triton_paths_and_counter_zeroing(M, k, E):
+    """Both Triton paths (one program up to SMALL_MAX_PAIRS pairs, 3 kernels above) against the
+    host loop; the one-program path keeps token order within an expert (== align_routing exactly);
+    both zero the arrival counters they are given."""
+    g = torch.Generator().manual_seed(M)
+    ids = torch.randint(0, E, (M, k), generator=g)
+    ids = torch.where(torch.rand(M, k, generator=g) < 0.3, torch.full_like(ids, -1), ids).to(DEV)
+    tickets = torch.full((1000,), 7, dtype=torch.int32, device=DEV)
+    r = align_routing_triton(ids, E, 16, tickets)
+    assert _blocks(r, E, canonical=True) == align_routing_reference(ids.cpu(), E, 16)
+    assert torch.equal(tickets, torch.zeros_like(tickets))
+    if M * k <= SMALL_MAX_PAIRS:
+        t = align_routing(ids, E, 16)
+        assert _blocks(r, E) == _blocks(t, E)  # same rows, same order
+        assert torch.equal(r.sorted_pair_ids[: r.max_padded], t.sorted_pair_ids[: t.max_padded])
+
+
+def test_ids_beyond_int32_are_dropped_not_wrapped():
+    """int64 ids are compared before any narrowing: 2^32 + 1 is not expert 1."""
+    ids = torch.tensor([[2**32 + 1, 1], [-(2**32) + 1, 0]], dtype=torch.int64, device=DEV)
+    for impl in IMPLS:
+        r = impl(ids, 4, 16)
+        assert _blocks(r, 4, canonical=True) == align_routing_reference(ids.cpu(), 4, 16) == [
+            (0, [3] + [4] * 15), (1, [1] + [4] * 15)]

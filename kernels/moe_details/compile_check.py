@@ -58,16 +58,18 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     if kind == "gemm1":
         fn, K_dim = K.gemm1_gated_kernel, H
         args = dict(x_ptr=f"*{dtype}", stride_xm=H, stride_xk=1, w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32",
-                    k_tiles=-(-H // 64), out_ptr="*fp32" if g.split_k > 1 else f"*{dtype}", sorted_ids_ptr="*i32",
-                    block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I,
-                    beta=4.0, linear_beta=25.0)
+                    k_tiles=-(-H // 64), out_ptr=f"*{dtype}", part_ptr="*fp32" if g.split_k > 1 else f"*{dtype}",
+                    tickets_ptr="*i32", sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
+                    num_pairs=17, top_k=top_k, H=H, I=I, beta=4.0, linear_beta=25.0)
         consts = dict(ACT=0, HAS_LINEAR_BETA=True)
     else:
         fn, K_dim = K.gemm2_combine_kernel, I
         args = dict(a_ptr=f"*{dtype}", w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32", k_tiles=-(-I // 64),
-                    topk_w_ptr="*fp32", out_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                    num_padded_ptr="*i32", num_pairs=17, top_k=top_k, H=H, I=I, scale=1.0)
-        consts = dict(USE_ATOMIC=g.atomic_reduce or g.split_k > 1, ROW_IS_TOKEN=g.atomic_reduce)
+                    topk_w_ptr="*fp32", topk_ids_ptr="*i32", stride_im=top_k, stride_ik=1, buf_ptr="*fp32",
+                    out_ptr=f"*{dtype}", stride_om=H, stride_oh=1, tickets_ptr="*i32", sorted_ids_ptr="*i32",
+                    block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k, num_experts=17,
+                    H=H, I=I, scale=1.0)
+        consts = dict(ATOMIC=g.atomic_reduce)
     consts.update(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, SWAP_AB=g.swap_ab,
                   DOT_DTYPE=tl_dtype, PRECISION=None, USE_ASM=True, EVEN_K=K_dim % g.block_k == 0)
     return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
@@ -108,17 +110,17 @@ def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E:
                         block_n2=bn, block_k2=bk, split_k2=sk, num_warps2=nw)
         for kind in ("gemm1", "gemm2"):
             record(f"{kind}_{tag}", compile_gemm(kind, cfg, H, I, top_k, arch))
-    run("gated_activation", K.gated_activation_kernel,
-        dict(part_ptr="*fp32", out_ptr="*bf16", num_padded_ptr="*i32", I=I,
-             max_padded=256, beta=4.0, linear_beta=25.0),
-        dict(ACT=0, HAS_LINEAR_BETA=True, SPLIT_K=4, BLOCK_M=16, BLOCK_N=64), num_stages=1)
-    run("combine_topk", K.combine_topk_kernel,
-        dict(buf_ptr="*fp32", topk_ids_ptr="*i32", stride_im=top_k, stride_ik=1, out_ptr="*bf16", stride_om=H,
-             stride_oh=1, top_k=top_k, H=H, num_experts=E, scale=1.0),
-        dict(BLOCK_H=1024), num_stages=1)
+    # GEMM2 with the fp32-atomic top-k sum (the large-batch reduction).
+    atomic = MoEConfig(block_m=64, swap_ab=False, block_n2=128, block_k2=128, num_warps2=8, atomic_reduce=True)
+    record("gemm2_bm64_noswap_bn128_bk128_sk1_atomic", compile_gemm("gemm2", atomic, H, I, top_k, arch))
+    bins = 1 << E.bit_length()  # > E
+    run("routing_small", RK.align_small_kernel,
+        dict(topk_ids_ptr="*i32", sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
+             shift_ptr="*i32", tickets_ptr="*i32", num_pairs=17, num_experts=E, fill_len=273, max_blocks=17,
+             ticket_len=17), dict(BLOCK_M=16, P=1024, E_BINS=bins, FILL=1024), num_warps=8, num_stages=1)
     run("routing_count", RK.count_and_rank_kernel,
-        dict(topk_ids_ptr="*i32", counts_ptr="*i32", rank_ptr="*i32", sorted_ids_ptr="*i32", num_pairs=17,
-             num_experts=E, fill_len=273), dict(BLOCK=256), num_stages=1)
+        dict(topk_ids_ptr="*i32", counts_ptr="*i32", rank_ptr="*i32", sorted_ids_ptr="*i32", tickets_ptr="*i32",
+             num_pairs=17, num_experts=E, fill_len=273, ticket_len=17), dict(BLOCK=256), num_stages=1)
     run("routing_offsets", RK.block_offsets_kernel,
         dict(counts_ptr="*i32", padded_start_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
              num_experts=E, max_blocks=17), dict(BLOCK_M=16, E_POW2=1024, BLOCKS_PER_STEP=16), num_stages=1)

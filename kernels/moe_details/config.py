@@ -11,17 +11,20 @@ Knobs of :class:`MoEConfig` (the tuner's search space; every field is a real ker
                    for these columns (2 * block_n1 weight rows). {16, 32, 64, 128}.
 - ``block_k1``     GEMM1 reduction step over H: whole 64-element K tiles of the weight layout
                    (16 bytes per lane), or half a tile (32). {32, 64, 128, 256}.
-- ``split_k1``     GEMM1 split over H. > 1 writes fp32 partial sums [split_k1, pad, 2I] and runs
-                   the activation in a small second kernel (deterministic sum). {1, 2, 4, 8}.
+- ``split_k1``     GEMM1 split over H. > 1 writes fp32 partial sums [split_k1, pad, 2I]; the last
+                   K slice of a tile to finish sums them in slice order and applies the
+                   activation (same launch, deterministic). {1, 2, 4, 8}.
 - ``num_warps1``, ``num_stages1``: Triton launch knobs of GEMM1.
 - ``block_n2``     GEMM2 output columns (of H) per program. {16, 32, 64, 128, 256, 512}.
 - ``block_k2``     GEMM2 reduction step over I, as block_k1. {32, 64, 128, 256}.
-- ``split_k2``     GEMM2 split over I; > 1 forces fp32 atomics (summation order not fixed).
+- ``split_k2``     GEMM2 split over I: per-slice fp32 rows summed by the token's last arrival in
+                   a fixed order (deterministic; same launch), or atomics with ``atomic_reduce``.
 - ``num_warps2``, ``num_stages2``: Triton launch knobs of GEMM2.
-- ``atomic_reduce`` GEMM2 reduction over top-k: False = each (token, slot) row is stored to an
-                   fp32 [M*k, H] buffer, summed over k afterwards (deterministic, bitwise
-                   reproducible); True = fp32 atomic adds into [M, H] (less memory traffic at
-                   large M / expert parallelism; summation order not fixed).
+- ``atomic_reduce`` GEMM2 reduction over top-k: False = each (K slice, token, slot) row is stored
+                   to an fp32 [split_k2, M*k, H] buffer and summed in GEMM2's epilogue by the
+                   token's last arrival in slot order (deterministic, bitwise reproducible);
+                   True = fp32 atomic adds into [M, H] (less memory traffic at large M; a memset
+                   more per call; summation order not fixed).
 
 Tuned configs are JSON files named in the style of SGLang's fused_moe_triton configs::
 
@@ -49,9 +52,9 @@ CONFIG_DIR_ENV = "K3NVFP4_MOE_CONFIG_DIR"
 DEFAULT_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 # H200: 132 SMs. Used only by the heuristic to decide when the grid is too small.
 _DEFAULT_NUM_SMS = 132
-# Above this size of the deterministic path's fp32 [M*k, H] buffer the heuristic reduces with atomics.
 # A tuned batch size further than this factor from M is not trusted for M.
 _MAX_TUNED_DISTANCE = 4
+# Above this size of the deterministic path's fp32 [split_k2, M*k, H] buffer the heuristic reduces with atomics.
 _MAX_PAIR_BUFFER_BYTES = 512 << 20
 
 
@@ -236,10 +239,10 @@ def heuristic_moe_config(
       weights go through shared memory to tcgen05) block_k2 <= 128, where 256 spills.
     - arch: compute capability x 10 (None: the current device's, 90 without a GPU).
     - split-K when the expected number of programs (active experts x column tiles) is below
-      2 x num_sms: enough K slices to reach it, capped at 8 and at K / block_k.
-    - atomic_reduce (fp32 atomics into [M, H]) when GEMM2 is split over K or when the
-      deterministic path's fp32 [M*k, H] buffer would exceed 512 MiB (large prefill batches);
-      the deterministic store path otherwise.
+      2 x num_sms: enough K slices to reach it, capped at 8 and at K / block_k. Split-K adds no
+      launch (the last K slice finishes the tile), so it is allowed at decode sizes.
+    - atomic_reduce (fp32 atomics into [M, H], one memset more) only when the deterministic
+      path's fp32 [split_k2, M*k, H] buffer would exceed 512 MiB (large prefill batches).
     """
     pairs = max(M * top_k, 1)
     per_expert = pairs / max(E, 1)
@@ -284,7 +287,7 @@ def heuristic_moe_config(
         split_k2=split_k2,
         num_warps2=warps2,
         num_stages2=3,
-        atomic_reduce=split_k2 > 1 or pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES,
+        atomic_reduce=split_k2 * pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES,
     )
 
 

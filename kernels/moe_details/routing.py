@@ -2,9 +2,9 @@
 
 No host synchronisation and no data-dependent allocation (every buffer is sized by the worst
 case), so it can be captured in a CUDA graph. No sgl_kernel. Two implementations with one
-contract: align_routing_triton (3 Triton kernels + a memset; what fused_moe_nvfp4 uses) and
-align_routing (plain torch, ~35 small ops; token order within an expert; a second reference
-for the tests next to the host loop align_routing_reference).
+contract: align_routing_triton (what fused_moe_nvfp4 uses: one Triton launch up to 1024 pairs,
+else 3 kernels + a memset) and align_routing (plain torch, ~35 small ops; token order within
+an expert; a second reference for the tests next to the host loop align_routing_reference).
 
 Pairs are numbered p = token * top_k + slot. Ids outside [0, E) (-1 = expert on another rank)
 are dropped: they never reach a kernel, so they contribute nothing.
@@ -85,9 +85,16 @@ def align_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ali
     return AlignedRouting(sorted_pair_ids, block_expert_ids, num_padded, num_pairs, block_m, max_blocks)
 
 
-def align_routing_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedRouting:
-    """Same as :func:`align_routing` in 3 Triton kernels + 1 memset (the decode path: launches
-    dominate there). Within an expert, pairs are in atomic arrival order (see routing_kernels)."""
+def align_routing_triton(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, tickets: torch.Tensor | None = None
+) -> AlignedRouting:
+    """Same as :func:`align_routing` in Triton, with no host synchronisation.
+
+    Up to routing_kernels.SMALL_MAX_PAIRS pairs (and E < SMALL_MAX_BINS): ONE launch, no memset;
+    pairs of one expert in token order (the layout equals align_routing's). Larger: 3 kernels + a
+    memset of the per-expert counters; order within an expert follows atomic arrival.
+    tickets: optional int32 buffer zeroed by the same launch(es) (the GEMMs' arrival counters).
+    """
     from . import routing_kernels as rk
 
     device = topk_ids.device
@@ -96,30 +103,48 @@ def align_routing_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     max_blocks = max_padded_blocks(num_pairs, E, block_m)
     max_padded = max_blocks * block_m
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    if tickets is None:
+        tickets = torch.empty(0, dtype=torch.int32, device=device)
+    elif tickets.dtype != torch.int32 or not tickets.is_contiguous() or tickets.device != device:
+        raise ValueError(f"tickets: expected a contiguous int32 tensor on {device}, got {tickets.dtype} on {tickets.device}")
+
+    sorted_pair_ids = torch.empty(max_padded + 1, dtype=torch.int32, device=device)
+    block_expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    fill = max_padded + 1
+
+    if num_pairs <= rk.SMALL_MAX_PAIRS and E < rk.SMALL_MAX_BINS:
+        bins = max(16, _next_pow2(E + 1))
+        shift = torch.empty(bins, dtype=torch.int32, device=device)
+        rk.align_small_kernel[(1,)](
+            ids, sorted_pair_ids, block_expert_ids, num_padded, shift, tickets,
+            num_pairs, E, fill, max_blocks, tickets.numel(),
+            BLOCK_M=block_m, P=max(16, _next_pow2(num_pairs)), E_BINS=bins, FILL=1024,
+            num_warps=8,
+        )
+        return AlignedRouting(sorted_pair_ids, block_expert_ids, num_padded, num_pairs, block_m, max_blocks)
 
     counts = torch.zeros(E, dtype=torch.int32, device=device)
     rank = torch.empty(max(num_pairs, 1), dtype=torch.int32, device=device)
-    sorted_pair_ids = torch.empty(max_padded + 1, dtype=torch.int32, device=device)
     padded_start = torch.empty(E, dtype=torch.int32, device=device)
-    block_expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-
     block = 256
-    fill = max_padded + 1
-    rk.count_and_rank_kernel[(-(-max(num_pairs, fill) // block),)](
-        ids, counts, rank, sorted_pair_ids, num_pairs, E, fill, BLOCK=block
+    rk.count_and_rank_kernel[(-(-max(num_pairs, fill, tickets.numel()) // block),)](
+        ids, counts, rank, sorted_pair_ids, tickets, num_pairs, E, fill, tickets.numel(), BLOCK=block
     )
-    e_pow2 = 1 << max(E - 1, 1).bit_length()
+    e_pow2 = _next_pow2(max(E, 2))
     rk.block_offsets_kernel[(1,)](
         counts, padded_start, block_expert_ids, num_padded, E, max_blocks,
         BLOCK_M=block_m, E_POW2=e_pow2, BLOCKS_PER_STEP=max(1, min(64, 16384 // e_pow2)),
         num_warps=4,
     )
-    if num_pairs:
-        rk.scatter_pairs_kernel[(-(-num_pairs // block),)](
-            ids, rank, padded_start, sorted_pair_ids, num_pairs, E, BLOCK=block
-        )
+    rk.scatter_pairs_kernel[(-(-num_pairs // block),)](
+        ids, rank, padded_start, sorted_pair_ids, num_pairs, E, BLOCK=block
+    )
     return AlignedRouting(sorted_pair_ids, block_expert_ids, num_padded, num_pairs, block_m, max_blocks)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def align_routing_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> list[tuple[int, list[int]]]:
