@@ -36,6 +36,10 @@ Writes <out-dir>/moe-<device>.json, .md (table) and .png. Run from the repo root
   python bench/bench_moe.py                       # both shapes, all M (GPU; ~3-5 minutes)
   python bench/bench_moe.py --quick --m-list 1,64,1024
   python bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --quick   # interpreter smoke run
+
+On a Blackwell GPU (sm100/sm103) each point also times the FP4 tensor-core modes
+(act_quant_nvfp4 / act_quant_mxfp8: fused_moe_nvfp4(act_quant=...) on random MXFP4-structured
+weights, checked against fused_moe_fp4_reference first; x_vs_w4a16 = W4A16 time / mode time).
 """
 
 from __future__ import annotations
@@ -285,6 +289,42 @@ def marlin_arm(torch, lib, weights, shape, x, tw, ids, ref, info: dict):
     return marlin, None
 
 
+def fp4_mode_arms(torch, shape, device, seed: int) -> dict:
+    """{act_quant: FP4MMAWeights} for the Blackwell FP4 modes, from random MXFP4 experts (E8M0
+    scales per 32, so both modes can run: mxfp8 needs E8M0-representable weight scales)."""
+    from k3nvfp4.kernels import NVFP4MoEWeights
+    from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights
+
+    g = torch.Generator(device).manual_seed(seed + 7)
+    E, H, I = shape.E, shape.H, shape.I
+
+    def nibbles(*s):
+        return torch.randint(0, 256, s, dtype=torch.uint8, device=device, generator=g)
+
+    def e8m0(*s):  # 2^-7 .. 2^-4 per 32-block: O(1) outputs for O(1) inputs at K3's fan-in
+        return torch.randint(120, 124, s, dtype=torch.uint8, device=device, generator=g)
+
+    w = NVFP4MoEWeights.from_mxfp4(nibbles(E, 2 * I, H // 2), e8m0(E, 2 * I, H // 32), nibbles(E, H, I // 2), e8m0(E, H, I // 32))
+    return {mode: FP4MMAWeights.from_nvfp4(w, mxfp8=mode == "mxfp8") for mode in ("nvfp4", "mxfp8")}
+
+
+def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, timer, no_graph: bool) -> dict:
+    """One FP4-mode point: checked against fused_moe_fp4_reference (normwise <= 1e-2) before timing."""
+    from k3nvfp4.kernels.moe_fp4_reference import fused_moe_fp4_reference
+
+    out = torch.empty_like(x)
+    run = lambda: fused_moe_nvfp4(x, weights, tw, ids, act_quant=act_quant, out=out)  # noqa: E731
+    run()
+    ref = fused_moe_fp4_reference(x, weights, tw, ids, act_quant=act_quant).float()
+    err = normwise_error(out, ref)
+    if not err <= 1e-2:
+        return {"error": f"output differs from fused_moe_fp4_reference: normwise {err:.3g} > 1e-2 (not timed)"}
+    fn, mode, why = graph_or_eager(torch, run, no_graph)
+    t, n = timer.measure(fn)
+    return {"time_us": t * 1e6, "mode": mode, "iters": n, "normwise_vs_reference": err,
+            **({"graph_failure": why} if why else {})}
+
+
 def time_marlin(torch, marlin, x, tw, ids, shape, M: int, timer, nbytes: int, no_graph: bool) -> dict:
     """One marlin MoE call timed like ours (graph replay when capture works; the eager time too),
     plus the routing alignment alone and which alignment kernel SGLang would run here."""
@@ -475,6 +515,10 @@ def main(argv=None) -> int:
             info["check"]["baseline_normwise_error"] = berr
         print(f"   check M={M}: ours err {err:.2e} (tol {tol:g}){'' if err <= tol else '  FAILED'}"
               + (f", bf16 baseline err {berr:.2e} [{baseline_impl}]" if baseline_impl else ""), flush=True)  # fmt: skip
+        # The Blackwell FP4 tensor-core modes, timed only where they run natively (bench/README.md).
+        fp4_weights = None
+        if not cpu and torch.cuda.get_device_capability(device)[0] == 10:
+            fp4_weights = fp4_mode_arms(torch, shape, device, args.seed)
         marlin, marlin_skip = None, result["other_implementations"]["sglang_marlin_nvfp4"]
         if marlin_lib is not None:
             marlin, marlin_skip = marlin_arm(torch, marlin_lib, weights, shape, x, tw, ids, ref, info)
@@ -553,6 +597,18 @@ def main(argv=None) -> int:
                         failed = True
                         point["sglang_marlin_nvfp4"] = f"error: {type(e).__name__}: {str(e)[:400]}"
                         result["errors"].append(f"{name} M={M}: marlin: {point['sglang_marlin_nvfp4']}")
+                if fp4_weights is not None:
+                    for act_quant, fw in fp4_weights.items():
+                        try:
+                            r = time_fp4_mode(torch, fused_moe_nvfp4, fw, act_quant, x, tw, ids, timer, args.no_graph)
+                        except Exception as e:  # reported per point
+                            r = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+                        if "error" in r:
+                            failed = True
+                            result["errors"].append(f"{name} M={M}: act_quant={act_quant}: {r['error']}")
+                        else:
+                            r["x_vs_w4a16"] = ours_res["time_us"] / r["time_us"]
+                        point[f"act_quant_{act_quant}"] = r
                 mres = point["sglang_marlin_nvfp4"]
                 print(f"   M={M:>6} ours {t * 1e6:9.1f} us ({mode}, eager {t_eager * 1e6:.1f}) "
                       f"{ours_res['GBps']:7.0f} GB/s {ours_res['pct_bw']:5.1f}% bw {ours_res['TFLOPs']:6.1f} TFLOP/s"
@@ -568,7 +624,7 @@ def main(argv=None) -> int:
                 if not cpu:
                     torch.cuda.synchronize()
             result["points"].append(point)
-        del weights, w13_bf16, w2_bf16, marlin
+        del weights, w13_bf16, w2_bf16, marlin, fp4_weights
         if not cpu:
             torch.cuda.empty_cache()
 

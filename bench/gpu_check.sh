@@ -15,16 +15,18 @@
 #                with sglang + nvcc and CARRIED here: carry build/peers/marlin/lib): its build info (nvcc
 #                version, arch), CUDA driver/runtime, exports, argument checks. --cpu-rehearsal builds it first.
 #   5b. bench    bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR), marlin arm included
+#   5c. graph    bench/bench_graph.py: launches per call, CUDA-graph capture + replay at M = 1..64 on TP16/EP16,
+#                replay == eager, replay time per call (target <= 15 us at M = 1 on TP16)
 #   6. sass      bench/sass_report.py for the installed Triton (offline compile, no GPU needed): the static
 #                issue-bound ceiling of each point, put beside the measured bandwidth in summary.json
 #   7. tests_kernels  the kernels' CPU-suite files, on CUDA tensors (no interpreter there)
-# Worst case (every step at its limit) about 9.5 minutes; typically less.
+# Worst case (every step at its limit) about 9.5 minutes (570 s); typically less.
 # Writes under $OUT (default ./gpu_out): summary.json (each step's exit status and time, test counts,
 # headline figures), gpu_check.log (all output), moe-<device>.json/.png, tuned_configs.json
 # ({config file name: content}; names hold '=' and ',', which the device tool does not bring back),
 # extras.tgz (per-step logs, junit XML, tuner reports, the tuned JSON files under their real names).
 # Exit status: 0 all steps passed, 1 some step failed, 3 no GPU (after the import check).
-# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH T_SASS T_MARLIN_LIB.
+# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH T_GRAPH T_SASS T_MARLIN_LIB.
 set -u
 set -o pipefail
 
@@ -48,10 +50,11 @@ STEPS=$WORK/steps.tsv
 : >"$LOG"
 : >"$STEPS"
 T_TESTS_GPU=${T_TESTS_GPU:-75}
-T_TESTS_KERNELS=${T_TESTS_KERNELS:-60}
-T_TUNE=${T_TUNE:-60}
-T_BENCH=${T_BENCH:-180}
-T_SASS=${T_SASS:-60}
+T_TESTS_KERNELS=${T_TESTS_KERNELS:-40}
+T_TUNE=${T_TUNE:-35}
+T_BENCH=${T_BENCH:-160}
+T_GRAPH=${T_GRAPH:-90}
+T_SASS=${T_SASS:-45}
 T_MARLIN_LIB=${T_MARLIN_LIB:-30}
 T0=$(date +%s)
 
@@ -124,6 +127,13 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
                      "x_bf16": round(pt.get("speedup_vs_bf16", float("nan")), 2), "error": pt.get("error"),
                      "marlin_us": round(m["time_us"], 1) if isinstance(m, dict) else None,
                      "x_marlin": round(pt["x_vs_marlin"], 2) if "x_vs_marlin" in pt else None})
+gp = os.path.join(out, "graph.json")
+if os.path.exists(gp):
+    g = json.load(open(gp))
+    summary["graph"] = {"passed": g.get("passed"), "tp16_M1_replay_us": g.get("tp16_M1_replay_us"),
+                        "tp16_M1_meets_target": g.get("tp16_M1_meets_target"), "errors": len(g.get("errors", [])),
+                        "points": [{k: p.get(k) for k in ("shape", "M", "launches", "replay_us", "replay_warm_us",
+                                                          "eager_us", "replay_equals_eager")} for p in g.get("points", [])]}
 ml = os.path.join(out, "marlin-lib.json")
 if os.path.exists(ml):
     lib = json.load(open(ml))
@@ -157,6 +167,9 @@ for h in head:
           + (f"  ERROR {h['error']}" if h["error"] else ""))
 for t in summary.get("targets", []):
     print(f"target {t['target']}: {t['verdict']} ({t['measured']})")
+for p in (summary.get("graph") or {}).get("points", []):
+    print(f"graph {p['shape']:<5} M={p['M']:>3}: {p['launches']} launches, replay {p.get('replay_us')} us "
+          f"(warm {p.get('replay_warm_us')}, eager {p.get('eager_us')}), replay == eager {p.get('replay_equals_eager')}")
 if summary.get("marlin_lib"):
     print("marlin library:", summary["marlin_lib"])
 if summary.get("bench_marlin"):
@@ -202,11 +215,12 @@ TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --E 896 --H 3584 --I 192 --top-k 16 --ba
 TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --E 56 --global-experts 896 --H 3584 --I 3072 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
 BENCH="$PY bench/bench_moe.py --out-dir $OUT --time-budget $((T_BENCH - 40))"
 SASS="$PY -P bench/sass_report.py --no-peers --out $OUT/sass-sm90.json"
+GRAPH="$PY bench/bench_graph.py --out $OUT/graph.json"
 # The GPU machine has no sglang / nvcc: the library is only checked there (built on the CPU machine).
 MARLIN_LIB="$PY -P bench/peers/marlin/selfcheck.py --json $OUT/marlin-lib.json"
 # CPU-suite files of the kernels: on a GPU machine they run on CUDA tensors (no interpreter there).
 KERNEL_TESTS=$(ls tests/test_tune.py tests/test_moe_config.py tests/test_routing.py tests/test_moe.py \
-    tests/test_layout.py tests/test_formats.py tests/test_cast.py tests/test_cast_triton.py tests/test_moe_checkpoint.py 2>/dev/null | tr '\n' ' ')
+    tests/test_launches.py tests/test_layout.py tests/test_formats.py tests/test_cast.py tests/test_cast_triton.py tests/test_moe_checkpoint.py 2>/dev/null | tr '\n' ' ')
 # Files holding GPU tests (marker gpu); those that import sglang fail to collect there: recorded.
 GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py 2>/dev/null | tr '\n' ' ')
 
@@ -216,6 +230,7 @@ if [ "$REHEARSAL" = 1 ]; then
     TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --device cpu --E 4 --global-experts 16 --H 48 --I 32 --top-k 4 --batch-sizes 2 --space tiny --iters 1 --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
     BENCH="$PY bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --m-list 1,8 --quick --out-dir $OUT"
     SASS="$PY -P bench/sass_report.py --no-peers --shapes tp16 --m-list 1 --out $OUT/sass-sm90.json"
+    GRAPH="$PY bench/bench_graph.py --cpu-rehearsal --m-list 1,8 --out $OUT/graph.json"
     # build (cached by source hash: ~3-4 min on 2 cores the first time, seconds after), then the same checks
     MARLIN_LIB="$PY -P bench/peers/marlin/build.py --check --json $OUT/marlin-lib.json"
     T_MARLIN_LIB=${T_MARLIN_LIB_BUILD:-900}
@@ -230,6 +245,7 @@ if [ "$DRY_RUN" = 1 ]; then
     log "  tune_ep16     ($T_TUNE s): $TUNE_EP"
     log "  marlin_lib    ($T_MARLIN_LIB s): $MARLIN_LIB"
     log "  bench         ($T_BENCH s): K3NVFP4_MOE_CONFIG_DIR=$WORK/configs $BENCH"
+    log "  graph         ($T_GRAPH s): $GRAPH"
     log "  sass          ($T_SASS s): $SASS"
     finish dry_run 0
 fi
@@ -260,6 +276,10 @@ step marlin_lib "$T_MARLIN_LIB" $MARLIN_LIB
 export K3NVFP4_MOE_CONFIG_DIR=$WORK/configs
 # shellcheck disable=SC2086
 step bench "$T_BENCH" $BENCH
+
+# ---- 5c. launches per call and CUDA-graph replay at decode sizes (same configs) -------------------
+# shellcheck disable=SC2086
+step graph "$T_GRAPH" $GRAPH
 
 # ---- 6. static SASS figures of the configs just benchmarked (installed Triton; offline compile) ---
 # shellcheck disable=SC2086

@@ -129,6 +129,19 @@ def peer_rows(arch: int) -> tuple[list[dict], list[str]]:
         return [], [f"marlin: not available: {type(e).__name__}: {e}"]
 
 
+def fp4_mode_rows(arch: int) -> list[dict]:
+    """The FP4 tensor-core modes' GEMMs (act_quant nvfp4 / mxfp8) on Blackwell: tcgen05 MMA kind,
+    block scaling, no decomposition (no wgmma / mma.sync), registers and spill bytes."""
+    from k3nvfp4.kernels.moe_fp4_details.compile_fp4 import compile_all
+
+    rows = compile_all(arch)
+    for r in rows:
+        if "error" not in r:
+            want = "kind::mxf4nvf4" if "nvfp4" in r["kernel"] else "kind::mxf8f6f4"
+            r["native"] = r["tcgen05_mma"] > 0 and r["kinds"] == [want] and r["wgmma"] == 0 and r["mma_sync"] == 0
+    return rows
+
+
 def _versions() -> dict:
     import torch
     import triton
@@ -189,6 +202,18 @@ def markdown(result: dict) -> str:
                   "runtime stage-group loop with the 4-stage pipe loop unrolled inside = 4 K tiles of 64 x 128 N "
                   "weights of one expert = 32768 weights per 4-warp block (checked against the loop's HMMA count; "
                   "bench/peers/marlin_sass.py)."]
+    if result.get("fp4_modes"):
+        lines += ["", f"FP4 tensor-core modes (`fused_moe_nvfp4(act_quant=...)`), {arch}, K3 TP16 shapes "
+                  "(`k3nvfp4.kernels.moe_fp4_details.compile_fp4`):", "",
+                  "| kernel | tcgen05.mma | kind | block scale | wgmma / mma.sync | regs | spill B | native |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in result["fp4_modes"]:
+            if "error" in r:
+                lines.append(f"| {r['kernel']} | error: {r['error'][:80]} |||||||")
+                continue
+            lines.append(f"| {r['kernel']} | {r['tcgen05_mma']} | {', '.join(r['kinds'])} | {', '.join(r['block_scale'])} | "
+                         f"{r['wgmma']} / {r['mma_sync']} | {r['registers']} | {r['local_bytes']} | "
+                         f"{'yes' if r['native'] else 'NO'} |")
     for e in result["errors"]:
         lines.append(f"\n- {e}")
     return "\n".join(lines) + "\n"
@@ -247,6 +272,9 @@ def main(argv=None) -> int:
             "peers": peers,
             "errors": errors + peer_errors,
         }
+        if arch >= 100:
+            result["fp4_modes"] = fp4_mode_rows(arch)
+            failed |= not all(r.get("native") for r in result["fp4_modes"])
         out = pathlib.Path(args.out) if args.out else REPO / "bench" / "results" / f"sass-sm{arch}.json"
         write_json_atomic(out, result, indent=1)
         md = markdown(result)

@@ -188,12 +188,23 @@ def prepare_layer_for_triton_situ(layer: Any) -> Any:
     if not layer.moe_runner_config.is_gated:
         raise NotImplementedError(f"{BACKEND_NAME} runs gated MoE only")
 
-    weights = build_layer_weights(layer)
-    setattr(layer, WEIGHTS_ATTR, weights)
+    weights = set_kernel_weights(layer, build_layer_weights(layer))
     layer.w13_blockscale_swizzled = None
     layer.w2_blockscale_swizzled = None
     free_checkpoint_params(layer, weights, _MODELOPT_PARAMS)
     log_active_once(layer, weights, source="ModelOpt NVFP4 (E4M3 scales per 16)")
+    return weights
+
+
+def set_kernel_weights(layer: Any, weights: Any) -> Any:
+    """Store on the layer what the kernels take in the K3NVFP4_ACT_QUANT mode (and the static
+    NVFP4 input scale, if asked for); returns the weights stored."""
+    from .act_quant import INPUT_SCALE_ATTR, kernel_weights_for_mode, selected_act_quant, static_input_scale
+
+    act_quant = selected_act_quant()
+    weights = kernel_weights_for_mode(weights, act_quant, getattr(layer, "layer_name", "?"))
+    setattr(layer, WEIGHTS_ATTR, weights)
+    setattr(layer, INPUT_SCALE_ATTR, static_input_scale(layer, act_quant))
     return weights
 
 
@@ -214,12 +225,16 @@ def log_active_once(layer: Any, weights: Any, source: str) -> None:
     if _logged_active:
         return
     _logged_active = True
+    from .act_quant import INPUT_SCALE_ATTR, selected_act_quant, where_it_runs
+
     config = layer.moe_runner_config
+    act_quant = selected_act_quant()
+    input_scale = getattr(layer, INPUT_SCALE_ATTR, None)
     logger.info(
         "k3nvfp4: MoE runner backend %s active: %d local of %d experts, hidden %d, "
         "intermediate/rank %d, moe tp %d/ep %d, activation %s (beta=%s, linear_beta=%s), "
-        "weights from %s, layout %s w13 %s + w2 %s kernel-native FP4 tiles (bit-placed e2m1, "
-        "bf16 block-16 scales), gate/up scale_2 separate, on %s",
+        "weights from %s, layout %s w13 %s + w2 %s, gate/up scale_2 separate, on %s; "
+        "activation quantization %s (K3NVFP4_ACT_QUANT, input scale %s) on %s",
         BACKEND_NAME,
         layer.num_local_experts,
         layer.num_experts,
@@ -235,6 +250,9 @@ def log_active_once(layer: Any, weights: Any, source: str) -> None:
         list(weights.w13.shape),
         list(weights.w2.shape),
         weights.w13.device,
+        act_quant,
+        "dynamic" if input_scale is None else f"static {input_scale:g} from the checkpoint",
+        where_it_runs(act_quant),
     )
 
 
@@ -279,7 +297,10 @@ def run_triton_situ(method: Any, layer: Any, dispatch_output: Any) -> Any:
             f"{BACKEND_NAME}: layer {getattr(layer, 'layer_name', '?')!r} has no kernel weights; "
             "process_weights_after_loading did not run"
         )
-    return method.runner.run(dispatch_output, TritonSituMoeQuantInfo(weights=weights))
+    from .act_quant import INPUT_SCALE_ATTR
+
+    info = TritonSituMoeQuantInfo(weights=weights, input_scale=getattr(layer, INPUT_SCALE_ATTR, None))
+    return method.runner.run(dispatch_output, info)
 
 
 HOOKS = (

@@ -25,12 +25,12 @@ import torch
 
 from . import BACKEND_NAME
 from .hooks import (
-    WEIGHTS_ATTR,
     check_device_supported,
     check_shard_shapes,
     free_checkpoint_params,
     is_triton_situ,
     log_active_once,
+    set_kernel_weights,
 )
 
 _METHOD = "sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod"
@@ -120,8 +120,7 @@ def process_weights_hook(original_fn, self, layer):
         )
     if get_moe_a2a_backend().is_megamoe():
         raise NotImplementedError(f"{BACKEND_NAME} does not run under the MegaMoE a2a backend")
-    weights = build_layer_weights_mxfp4(layer)
-    setattr(layer, WEIGHTS_ATTR, weights)
+    weights = set_kernel_weights(layer, build_layer_weights_mxfp4(layer))
     free_checkpoint_params(layer, weights, _MXFP4_PARAMS)
     log_active_once(layer, weights, source="MXFP4 (E8M0 scales per 32, read directly)")
     return None

@@ -31,7 +31,8 @@ DEFAULT_SITU_BETA = 4.0
 class TritonSituMoeQuantInfo(MoeQuantInfo):
     """What the runner needs from the layer: its NVFP4 expert weights (this rank's shard)."""
 
-    weights: Any  # k3nvfp4.kernels.NVFP4MoEWeights
+    weights: Any  # k3nvfp4.kernels.NVFP4MoEWeights, or FP4MMAWeights for the FP4 modes
+    input_scale: float | None = None  # static NVFP4 activation scale (K3NVFP4_NVFP4_INPUT_SCALE=checkpoint)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,9 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
             raise NotImplementedError(f"{BACKEND_NAME} does not support no_combine")
         # Fail at model construction, not at the first forward.
         self.situ = situ_params_from_config(config)
+        from .act_quant import selected_act_quant
+
+        self.act_quant = selected_act_quant()
 
     @property
     def runner_backend(self) -> MoeRunnerBackendLike:
@@ -134,6 +138,7 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
             situ_beta=situ.situ_beta,
             situ_linear_beta=situ.situ_linear_beta,
             routed_scaling_factor=routed_scaling_factor_for_runner(runner_config),
+            **({} if self.act_quant == "none" else {"act_quant": self.act_quant, "input_scale": quant_info.input_scale}),
         )
         return StandardCombineInput(hidden_states=out)
 

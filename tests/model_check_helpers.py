@@ -22,20 +22,22 @@ def cast_checkpoint(src: Path, out: Path, *extra: str) -> Path:
     return out
 
 
-def run_python(tmp: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1"}
+def run_python(tmp: Path, argv: list[str], extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1", **(extra_env or {})}
     env.pop("SGLANG_PLUGINS", None)
     proc = subprocess.run([sys.executable, "-P", *argv], capture_output=True, text=True, timeout=900, env=env, cwd=tmp)
     print(proc.stdout[-6000:])
     return proc
 
 
-def run_selfcheck(tmp: Path, name: str, *args: str) -> dict:
+def run_selfcheck(tmp: Path, name: str, *args: str, extra_env: dict[str, str] | None = None) -> dict:
     out = tmp / f"{name}.json"
-    proc = run_python(tmp, ["-m", "k3nvfp4.sglang_ext.selfcheck", *args, "--json", str(out)])
+    proc = run_python(tmp, ["-m", "k3nvfp4.sglang_ext.selfcheck", *args, "--json", str(out)], extra_env)
     assert proc.returncode == 0, (proc.stdout[-6000:], proc.stderr[-6000:])
     assert "model-class self-check: PASSED" in proc.stdout
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    report["log"] = proc.stdout + proc.stderr
+    return report
 
 
 def index_names(ckpt: Path) -> list[str]:

@@ -128,3 +128,21 @@ def test_tp2_and_ep2_on_mxfp4(ckpts, tmp_path_factory):
             assert r["params"]["mismatches"] == 0 and r["forward"]["err"] <= 1.5e-2
         assert set().union(*(r["tensors"]["landed_names"] for r in ranks)) == names
         assert ranks[0]["forward"]["out_sha256"] == ranks[1]["forward"]["out_sha256"]
+
+
+@pytest.mark.parametrize("act_quant, source", [("mxfp8", "mxfp4"), ("nvfp4", "cast")])
+def test_fp4_tensor_core_modes_through_the_model_class(ckpts, tmp_path_factory, act_quant, source):
+    """K3NVFP4_ACT_QUANT selects the FP4 tensor-core mode (decomposed here, in the interpreter): the
+    layer loads FP4MMAWeights, logs the mode, and the block output stays within the mode's
+    quantization tolerance of the unquantized-activation reference, and visibly quantized."""
+    from k3nvfp4.sglang_ext.model_check.forward import ACT_QUANT_TOL
+
+    tmp = tmp_path_factory.mktemp(f"mode-{act_quant}")
+    rep = run_selfcheck(tmp, act_quant, "--model", str(ckpts[source]), "--layers", "2",
+                        extra_env={"K3NVFP4_ACT_QUANT": act_quant})  # fmt: skip
+    (run,) = rep["runs"]
+    assert run["ok"], run["problems"]
+    f = run["ranks"][0]["forward"]
+    assert f["act_quant"] == act_quant and f["tolerance"] == ACT_QUANT_TOL[act_quant]
+    assert 1e-3 < f["err"] <= ACT_QUANT_TOL[act_quant], f  # quantized activations, within the mode's bound
+    assert f"activation quantization {act_quant}" in rep["log"]

@@ -837,3 +837,27 @@ if __name__ == "__main__":
         _launch_ranks(sys.argv[2], sys.argv[3])
     else:
         raise SystemExit(f"usage: {sys.argv[0]} ranks CKPT OUT_DIR")
+
+
+def test_act_quant_environment(monkeypatch):
+    """K3NVFP4_ACT_QUANT / K3NVFP4_NVFP4_INPUT_SCALE: defaults, bad values named, the W4A4
+    checkpoint's input_scale as the static NVFP4 activation scale only when asked for."""
+    from k3nvfp4.sglang_ext import act_quant as aq
+
+    monkeypatch.delenv(aq.ENV_ACT_QUANT, raising=False)
+    monkeypatch.delenv(aq.ENV_INPUT_SCALE, raising=False)
+    assert aq.selected_act_quant() == "none" and aq.selected_input_scale() == "dynamic"
+    monkeypatch.setenv(aq.ENV_ACT_QUANT, " MXFP8 ")
+    assert aq.selected_act_quant() == "mxfp8"
+    monkeypatch.setenv(aq.ENV_ACT_QUANT, "fp4")
+    with pytest.raises(ValueError, match=r"K3NVFP4_ACT_QUANT='fp4': expected one of none, nvfp4, mxfp8"):
+        aq.selected_act_quant()
+    layer = types.SimpleNamespace(layer_name="m.experts", w13_input_scale=torch.tensor([[0.5, 0.25], [2.0, 1.0]]))
+    assert aq.static_input_scale(layer, "nvfp4") is None  # dynamic by default
+    monkeypatch.setenv(aq.ENV_INPUT_SCALE, "checkpoint")
+    assert aq.static_input_scale(layer, "nvfp4") == 2.0 and aq.static_input_scale(layer, "mxfp8") is None
+    with pytest.raises(ValueError, match="has no w13_input_scale"):
+        aq.static_input_scale(types.SimpleNamespace(layer_name="x"), "nvfp4")
+    monkeypatch.setenv(aq.ENV_INPUT_SCALE, "static")
+    with pytest.raises(ValueError, match="K3NVFP4_NVFP4_INPUT_SCALE='static'"):
+        aq.static_input_scale(layer, "nvfp4")

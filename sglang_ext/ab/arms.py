@@ -7,6 +7,10 @@ reason. An unavailable arm is reported as such and never replaced by another one
                layer's weights: the NVFP4 checkpoint's, or the MXFP4 release's read directly
 - triton_situ_cast: (MXFP4 layers only) the same kernels on the closed-form cast of those experts,
                i.e. what serving the k3nvfp4-cast checkpoint computes
+- triton_situ:nvfp4 / triton_situ:mxfp8: the FP4 tensor-core modes (fused_moe_nvfp4(act_quant=...):
+               W4A4 NVFP4 activations / W4A8 MXFP8 activations against MXFP4 weights, native on
+               Blackwell, decomposed elsewhere); their error against the reference and triton_situ
+               is the accuracy cost of quantizing the activations
 - marlin:      SGLang's NVFP4 marlin MoE (sgl_kernel): weights repacked as
                ModelOptNvFp4FusedMoEMethod.process_weights_after_loading does for the marlin
                backend (w13 scale_2 collapsed to the gate column, then
@@ -26,7 +30,8 @@ import torch
 if TYPE_CHECKING:
     from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
-ARM_NAMES = ("reference", "triton_situ", "triton_situ_cast", "marlin")
+FP4_MODE_ARMS = {"triton_situ:nvfp4": "nvfp4", "triton_situ:mxfp8": "mxfp8"}
+ARM_NAMES = ("reference", "triton_situ", "triton_situ_cast", *FP4_MODE_ARMS, "marlin")
 DEFAULT_ARMS = ("reference", "triton_situ", "marlin")  # + triton_situ_cast for MXFP4 layers
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -76,6 +81,33 @@ def build_triton_situ(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtyp
                          "so the 16-bit intermediate differs by up to 1 ulp: expect rel err ~5e-3 vs the reference "
                          "here, not a kernel defect (with --dtype float32 the two agree to ~5e-7)")
     return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, **kw)), notes
+
+
+def build_triton_situ_fp4(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype,
+                          act_quant: str) -> tuple[RunFn, list[str]]:  # fmt: skip
+    """fused_moe_nvfp4(act_quant=...) on FP4MMAWeights prepared once; a mode the installed Triton or
+    the weights cannot do is ArmUnavailable with the reason (never another mode)."""
+    from k3nvfp4.kernels.interpreter import kernels_interpreted
+
+    if device.type != "cuda" and not kernels_interpreted():
+        raise ArmUnavailable(f"Triton kernels need a CUDA device; tensors are on {device} and TRITON_INTERPRET is not set")
+    from k3nvfp4.kernels import fused_moe_nvfp4
+    from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, FP4MMAWeights, check_fp4_mode_supported
+
+    try:
+        check_fp4_mode_supported(act_quant, device)
+        w = FP4MMAWeights.from_nvfp4(ex.weights, mxfp8=act_quant == "mxfp8").to(device)
+    except E8M0RecoveryError as e:
+        raise ArmUnavailable(f"mxfp8 needs E8M0-representable weight scales: {e}") from None
+    except (RuntimeError, NotImplementedError) as e:
+        raise ArmUnavailable(str(e)) from None
+    kw = ex.activation_kwargs()
+    notes = [f"act_quant={act_quant}: " + ("W4A4, NVFP4 activations (dynamic per-token scale) and NVFP4 intermediate"
+                                            if act_quant == "nvfp4" else
+                                            "W4A8, MXFP8 activations and intermediate against MXFP4 weights (K3's native numerics)")]  # fmt: skip
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 10:
+        notes.append("not a Blackwell GPU: tl.dot_scaled runs decomposed (correctness, not speed)")
+    return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, act_quant=act_quant, **kw)), notes
 
 
 def marlin_unavailable_reason(device: torch.device) -> str | None:
@@ -155,6 +187,8 @@ def build_arm(name: str, ex: NVFP4MoELayer, device: torch.device, dtype: torch.d
         return build_triton_situ(ex, device, dtype)
     if name == "triton_situ_cast":
         return build_triton_situ(ex, device, dtype, cast=True)
+    if name in FP4_MODE_ARMS:
+        return build_triton_situ_fp4(ex, device, dtype, FP4_MODE_ARMS[name])
     if name == "marlin":
         return build_marlin(ex, device, dtype)
     raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES)}")

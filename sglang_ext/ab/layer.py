@@ -27,8 +27,9 @@ from .layer_inputs import load_activations, load_checkpoint_layer, realistic_rou
 from .metrics import PairMetrics, compare_outputs
 from .report import fmt, markdown_table, write_json
 
-PAIRS = (("triton_situ", "reference"), ("triton_situ_cast", "reference"), ("marlin", "reference"),
-         ("triton_situ", "triton_situ_cast"), ("triton_situ", "marlin"))
+PAIRS = (("triton_situ", "reference"), ("triton_situ_cast", "reference"), ("triton_situ:nvfp4", "reference"),
+         ("triton_situ:mxfp8", "reference"), ("marlin", "reference"), ("triton_situ", "triton_situ_cast"),
+         ("triton_situ:nvfp4", "triton_situ"), ("triton_situ:mxfp8", "triton_situ"), ("triton_situ", "marlin"))
 
 
 @dataclass

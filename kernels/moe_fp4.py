@@ -1,0 +1,335 @@
+"""Fused NVFP4-weight gated MoE on the block-scaled FP4 tensor cores (``tl.dot_scaled``).
+
+Two activation-quantization modes of one kernel family (moe_fp4_details/kernels.py):
+- act_quant="nvfp4" (W4A4): activations NVFP4 (E2M1, E4M3 per 16, one fp32 scale per token row,
+  applied to the fp32 accumulator), dynamic by default (kernels/act_quant.py gives the exact rule)
+  or with a static scale (the W4A4 checkpoint's input_scale). The SiTU intermediate is quantized
+  to NVFP4 for GEMM2: with situ and linear_beta set, every SiTU output lies in (-beta *
+  linear_beta, beta * linear_beta) = (-100, 100) for K3, so GEMM1's epilogue quantizes it with
+  the static row scale beta * linear_beta / 2688 (no block can overflow E4M3; blocks below
+  2^-10 x 6 x that scale flush to zero); silu and uncapped situ have no bound, so GEMM1 stores
+  the fp32 intermediate and a row kernel quantizes it with a dynamic per-row scale (one more
+  launch). intermediate_scale="dynamic" picks that path for bounded SiTU too.
+- act_quant="mxfp8" (W4A8, Kimi-K3's native numerics): activations and intermediate MXFP8 (E4M3,
+  E8M0 per 32, quantized per 32-block, fused into GEMM1's epilogue for the intermediate) against
+  MXFP4 weights, whose E8M0 scales are recovered exactly from the NVFP4 tensors (FP4MMAWeights).
+One call: per-token activation quantization (1 launch, each token once for all its k experts),
+routing alignment (align_routing_triton), GEMM1 (+ activation + intermediate quantization), [row
+quantization of the intermediate], GEMM2 (x routing weight, fp32 rows per pair), and a combine
+kernel summing the k rows of each token in slot order (deterministic). No host synchronisation.
+
+On sm100/sm103 ``tl.dot_scaled`` lowers to tcgen05 block-scaled MMA (kind::mxf4nvf4 block16 /
+kind::mxf8f6f4 block32, tests/test_moe_fp4_compile.py); on other GPUs Triton decomposes it (wgmma
+on sm90) when the installed Triton can (else a clear error); in the interpreter "mxfp8" runs
+``tl.dot_scaled`` (Triton >= 3.8) and "nvfp4" the kernels' own decomposition, because Triton 3.8's
+interpreter decodes E4M3 scales as E8M0.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .interpreter import interpret_requested
+from .moe_details.routing import align_routing_triton
+from .moe_details.validate import ACT_DTYPES
+from .moe_details.weights import NVFP4MoEWeights
+from .moe_fp4_details import kernels as _k
+from .moe_fp4_details.weights import E8M0RecoveryError, FP4MMAWeights
+from .situ import ACTIVATIONS
+
+__all__ = ["ACT_QUANT_MODES", "E8M0RecoveryError", "FP4MMAWeights", "FP4MoEConfig", "check_fp4_mode_supported",
+           "fused_moe_fp4", "intermediate_static_scale", "prepared_fp4_weights"]
+
+ACT_QUANT_MODES = ("nvfp4", "mxfp8")
+_MODE = {"nvfp4": _k.MODE_NVFP4, "mxfp8": _k.MODE_MXFP8}
+# First Triton release whose dot_scaled decomposition (non-Blackwell GPUs) takes E4M3 block
+# scales per 16 (NVFP4, triton PR 9772; 3.6 predates it, FACTS.md).
+_NVFP4_DECOMPOSED_MIN_TRITON = (3, 7)
+_INTERPRETER_MIN_TRITON = (3, 8)  # tl.dot_scaled in the interpreter
+
+
+@dataclass(frozen=True)
+class FP4MoEConfig:
+    """Launch config of the FP4 MMA kernels. block_n1 / block_n2 (columns of I / H per program):
+    powers of two >= 64 (a last tile may run past the matrix); block_k1 must divide H and block_k2
+    I (64 or 128). swap_ab puts the weights on the MMA M side (tokens on N), for decode-sized
+    blocks; sm100's block-scaled tcgen05 MMA then wants block_n = 128 (64 falls back to kind::f16)."""
+
+    block_m: int = 16
+    block_n1: int = 64
+    block_n2: int = 64
+    block_k1: int = 64
+    block_k2: int = 64
+    swap_ab: bool = True
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @staticmethod
+    def heuristic(E: int, H: int, I: int, top_k: int, M: int) -> "FP4MoEConfig":
+        """Small blocks with swap-AB when an expert gets few rows (decode), 128-row blocks else."""
+        def pick(n: int) -> int:
+            return 128 if n % 128 == 0 else 64
+
+        small = M * top_k <= 32 * E
+        return FP4MoEConfig(block_m=16 if small else 128, block_n1=128, block_n2=128,
+                            block_k1=pick(H), block_k2=pick(I), swap_ab=small,
+                            num_warps=4 if small else 8, num_stages=3)  # 4 warps spill at 128 x 128 (sm100)
+
+
+def intermediate_static_scale(activation: str, situ_beta: float, situ_linear_beta: float | None) -> float | None:
+    """The static NVFP4 row scale of the SiTU intermediate, beta x linear_beta / (6 x 448) (|SiTU|
+    < beta x linear_beta), or None where the activation has no bound (silu, situ without cap)."""
+    if activation != "situ" or situ_linear_beta is None:
+        return None
+    return abs(float(situ_beta)) * abs(float(situ_linear_beta)) / 2688.0
+
+
+def check_fp4_mode_supported(act_quant: str, device: torch.device) -> bool:
+    """Raise a clear error where this Triton / device cannot run the mode; returns EMULATE (True
+    only in the interpreter for "nvfp4", module docstring)."""
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant: expected one of {ACT_QUANT_MODES}, got {act_quant!r}")
+    version = _triton_version()
+    if device.type != "cuda":
+        if not interpret_requested() or type(_k.fp4_gemm1_kernel).__name__ != "InterpretedFunction":
+            raise RuntimeError(
+                f"fused_moe_fp4: tensors are on {device}; the Triton kernels need a CUDA device, or "
+                "TRITON_INTERPRET=1 set before triton is imported. fused_moe_fp4_reference is the plain-torch version."
+            )
+        if version < _INTERPRETER_MIN_TRITON:
+            raise RuntimeError(f"fused_moe_fp4: act_quant={act_quant!r} needs Triton >= 3.8 in the interpreter "
+                               f"(tl.dot_scaled), installed {triton.__version__}")
+        return act_quant == "nvfp4"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise RuntimeError(f"fused_moe_fp4: act_quant={act_quant!r} needs sm80 or newer, got sm{major}x")
+    if major != 10 and act_quant == "nvfp4" and version < _NVFP4_DECOMPOSED_MIN_TRITON:
+        raise RuntimeError(
+            f"fused_moe_fp4: act_quant='nvfp4' on sm{major}x needs Triton's decomposed NVFP4 dot_scaled "
+            f"(E4M3 scales per 16, Triton >= 3.7); installed Triton {triton.__version__} cannot. "
+            "Use act_quant='mxfp8', or the W4A16 path (act_quant='none')."
+        )
+    return False
+
+
+def fused_moe_fp4(
+    hidden_states: torch.Tensor,
+    weights: FP4MMAWeights | NVFP4MoEWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act_quant: str = "nvfp4",
+    activation: str = "situ",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float | None = 25.0,
+    routed_scaling_factor: float | None = None,
+    input_scale: float | torch.Tensor | None = None,
+    intermediate_scale: str = "auto",
+    out: torch.Tensor | None = None,
+    config: FP4MoEConfig | None = None,
+) -> torch.Tensor:
+    """Routed experts of one MoE layer on the FP4 tensor cores (same contract as fused_moe_nvfp4).
+
+    hidden_states: [M, H] bfloat16 / float16 / float32; weights: FP4MMAWeights (prepare once:
+    FP4MMAWeights.from_nvfp4(w)), or NVFP4MoEWeights (converted once and cached while that
+    object lives: prepared_fp4_weights);
+    topk_weights float32 [M, k]; topk_ids int32/int64 [M, k], ids outside [0, E) contribute
+    nothing. act_quant: "nvfp4" (W4A4) or "mxfp8" (W4A8, needs weights with E8M0 scales).
+    input_scale: static fp32 NVFP4 scale of the GEMM1 activations ("nvfp4" only; e.g. the W4A4
+    checkpoint's w13 input_scale, max over experts); None = dynamic per token row.
+    intermediate_scale: "auto" (static for situ with linear_beta, else dynamic), "static" or
+    "dynamic" ("nvfp4" only; see the module docstring). out: optional [M, H] in hidden_states'
+    dtype. Returns [M, H] in hidden_states' dtype.
+    """
+    if isinstance(weights, NVFP4MoEWeights):
+        weights = prepared_fp4_weights(weights, mxfp8=act_quant == "mxfp8")
+    _validate(hidden_states, weights, topk_weights, topk_ids, activation, out, act_quant)
+    device = hidden_states.device
+    emulate = check_fp4_mode_supported(act_quant, device)
+    mode = _MODE[act_quant]
+    M, H = hidden_states.shape
+    k = topk_ids.shape[1]
+    E, I = weights.num_experts, weights.intermediate_size
+    dtype = hidden_states.dtype
+    if out is None:
+        out = torch.empty(M, H, dtype=dtype, device=device)
+    if M == 0:
+        return out
+    static_inter = _intermediate_mode(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
+    inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else 1.0
+    in_s = _input_scale(input_scale, act_quant)
+    cfg = config or FP4MoEConfig.heuristic(E, H, I, k, M)
+    _check_config(cfg, H, I)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    # 1. Each token quantized once (reused by all its k experts).
+    aq, asc, ars = _quant_buffers(mode, M, H, device)
+    _k.quant_rows_kernel[(M,)](
+        hidden_states, hidden_states.stride(0), aq, asc, ars, ars, H, in_s if in_s is not None else 1.0,
+        MODE=mode, STATIC=in_s is not None, HAS_NUM_ROWS=False, BLOCK_K=_row_block(H), num_warps=4,
+    )
+
+    # 2. Routing alignment (no host sync).
+    routing = align_routing_triton(topk_ids, E, cfg.block_m)
+    P = routing.max_padded
+    grid_b = routing.max_blocks
+
+    # 3. GEMM1 + activation + intermediate quantization.
+    iq, isc, irs = _quant_buffers(mode, P, I, device)
+    out_f32 = mode == _k.MODE_NVFP4 and not static_inter
+    inter_f32 = torch.empty(P, I, dtype=torch.float32, device=device) if out_f32 else iq
+    w13_s = weights.w13_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w13_e8m0, "w13")
+    has_lb = activation == "situ" and situ_linear_beta is not None
+    _k.fp4_gemm1_kernel[(grid_b, triton.cdiv(I, cfg.block_n1))](
+        aq, asc, ars, weights.w13, w13_s, weights.w13_scale_2, iq, isc, inter_f32,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        M * k, k, H, I, float(situ_beta), float(situ_linear_beta) if has_lb else 1.0, inter_s,
+        MODE=mode, OUT_F32=out_f32, ACT=0 if activation == "situ" else 1, HAS_LINEAR_BETA=has_lb,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SWAP_AB=cfg.swap_ab, EMULATE=emulate,
+        **launch,
+    )
+    if out_f32:  # dynamic per-row NVFP4 scale of the intermediate: needs the whole row
+        _k.quant_rows_kernel[(P,)](
+            inter_f32, I, iq, isc, irs, routing.num_padded, I, 1.0,
+            MODE=mode, STATIC=False, HAS_NUM_ROWS=True, BLOCK_K=_row_block(I), num_warps=4,
+        )
+
+    # 4. GEMM2 x routing weight -> fp32 rows per pair; 5. fixed-order sum over top-k.
+    buf = torch.empty(M * k, H, dtype=torch.float32, device=device)
+    w2_s = weights.w2_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w2_e8m0, "w2")
+    _k.fp4_gemm2_kernel[(grid_b, triton.cdiv(H, cfg.block_n2))](
+        iq, isc, irs, weights.w2, w2_s, weights.w2_scale_2, topk_weights.contiguous(), buf,
+        routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
+        M * k, H, I, inter_s,
+        MODE=mode, INTER_STATIC=static_inter,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, SWAP_AB=cfg.swap_ab, EMULATE=emulate,
+        **launch,
+    )
+    block = min(1024, triton.next_power_of_2(H))
+    _k.combine_kernel[(M, triton.cdiv(H, block))](
+        buf, topk_ids, topk_ids.stride(0), topk_ids.stride(1), out, out.stride(0), out.stride(1),
+        k, E, H, 1.0 if routed_scaling_factor is None else float(routed_scaling_factor),
+        BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+_PREPARED: dict[int, tuple[weakref.ref, bool, FP4MMAWeights]] = {}
+
+
+def prepared_fp4_weights(weights: NVFP4MoEWeights, *, mxfp8: bool) -> FP4MMAWeights:
+    """FP4MMAWeights of a W4A16 weights object, built on first use and cached for as long as that
+    object lives (the conversion unpacks the kernel layout and, for mxfp8, recovers E8M0)."""
+    hit = _PREPARED.get(id(weights))
+    if hit is not None and hit[0]() is weights and (hit[1] or not mxfp8):
+        return hit[2]
+    prepared = FP4MMAWeights.from_nvfp4(weights, mxfp8=mxfp8)
+    key = id(weights)
+    _PREPARED[key] = (weakref.ref(weights, lambda _r, key=key: _PREPARED.pop(key, None)), mxfp8, prepared)
+    return prepared
+
+
+def _triton_version() -> tuple[int, int]:
+    parts = triton.__version__.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def _row_block(K: int) -> int:
+    """Largest power of two <= 1024 dividing K (K % 64 == 0)."""
+    b = 1024
+    while K % b:
+        b //= 2
+    return b
+
+
+def _quant_buffers(mode: int, R: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantized rows: NVFP4 (packed [R, K/2], E4M3 [R, K/16], fp32 [R]) or MXFP8 (E4M3 [R, K],
+    E8M0 [R, K/32], an unused placeholder)."""
+    if mode == _k.MODE_NVFP4:
+        return (torch.empty(R, K // 2, dtype=torch.uint8, device=device),
+                torch.empty(R, K // 16, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(R, dtype=torch.float32, device=device))
+    return (torch.empty(R, K, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(R, K // 32, dtype=torch.uint8, device=device),
+            torch.empty(1, dtype=torch.float32, device=device))
+
+
+def _e8m0(t: torch.Tensor | None, name: str) -> torch.Tensor:
+    if t is None:
+        raise ValueError(f"weights: {name}_e8m0 is missing; act_quant='mxfp8' needs "
+                         "FP4MMAWeights.from_nvfp4(w, mxfp8=True) (exact MXFP4 blocks)")
+    return t
+
+
+def _intermediate_mode(act_quant, intermediate_scale, activation, beta, linear_beta) -> bool:
+    """True: static NVFP4 scale of the intermediate (fused in GEMM1's epilogue)."""
+    if intermediate_scale not in ("auto", "static", "dynamic"):
+        raise ValueError(f"intermediate_scale: expected 'auto', 'static' or 'dynamic', got {intermediate_scale!r}")
+    if act_quant != "nvfp4":
+        if intermediate_scale != "auto":
+            raise ValueError("intermediate_scale: only for act_quant='nvfp4' (MXFP8 scales are per 32-block)")
+        return False
+    bounded = intermediate_static_scale(activation, beta, linear_beta) is not None
+    if intermediate_scale == "static" and not bounded:
+        raise ValueError(f"intermediate_scale='static': activation {activation!r} with linear_beta={linear_beta} "
+                         "has no bound, so no static scale exists; use 'dynamic' or 'auto'")
+    return bounded and intermediate_scale != "dynamic"
+
+
+def _input_scale(input_scale, act_quant: str) -> float | None:
+    if input_scale is None:
+        return None
+    if act_quant != "nvfp4":
+        raise ValueError("input_scale: only for act_quant='nvfp4' (MXFP8 has no per-tensor scale)")
+    if isinstance(input_scale, torch.Tensor):
+        if input_scale.numel() != 1:
+            raise ValueError(f"input_scale: expected one scale (take the max over experts), got shape "
+                             f"{tuple(input_scale.shape)}")
+        input_scale = float(input_scale.reshape(()))  # host sync; a float avoids it
+    s = float(input_scale)
+    if not (s > 0 and s < float("inf")):
+        raise ValueError(f"input_scale: must be a finite positive scale, got {s}")
+    return s
+
+
+def _check_config(cfg: FP4MoEConfig, H: int, I: int) -> None:
+    for name, b in (("block_n1", cfg.block_n1), ("block_n2", cfg.block_n2)):
+        if b < 64 or b & (b - 1):
+            raise ValueError(f"config.{name} = {b} must be a power of two >= 64")
+    for name, n, div in (("block_k1", H, cfg.block_k1), ("block_k2", I, cfg.block_k2)):
+        if div not in (64, 128) or n % div:
+            raise ValueError(f"config.{name} = {div} must be 64 or 128 and divide {n}")
+    if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
+        raise ValueError(f"config.block_m = {cfg.block_m} must be a power of two >= 16")
+
+
+def _validate(x, weights, topk_weights, topk_ids, activation, out, act_quant) -> None:
+    if not isinstance(weights, FP4MMAWeights):
+        raise TypeError(f"weights: expected FP4MMAWeights or NVFP4MoEWeights, got {type(weights).__name__}")
+    if act_quant not in ACT_QUANT_MODES:
+        raise ValueError(f"act_quant: expected one of {ACT_QUANT_MODES}, got {act_quant!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if x.dim() != 2 or x.dtype not in ACT_DTYPES:
+        raise ValueError(f"hidden_states: expected [M, H] bfloat16/float16/float32, got {tuple(x.shape)} {x.dtype}")
+    M, H = x.shape
+    if H != weights.hidden_size:
+        raise ValueError(f"hidden_states: hidden size {H} does not match the weights' H = {weights.hidden_size}")
+    if x.stride(1) != 1:
+        raise ValueError("hidden_states: the last dimension must be contiguous (stride 1)")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != M or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids: expected int32/int64 [M={M}, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights: expected float32 {tuple(topk_ids.shape)}, got "
+                         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
+    if topk_ids.shape[1] < 1:
+        raise ValueError("topk_ids: top-k must be >= 1")
+    if out is not None and (tuple(out.shape) != (M, H) or out.dtype != x.dtype):
+        raise ValueError(f"out: expected shape {(M, H)} and dtype {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    for name, t in {"hidden_states": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "out": out}.items():
+        if t is not None and t.device != weights.device:
+            raise ValueError(f"{name}: on {t.device}, but the weights are on {weights.device}")

@@ -1,0 +1,122 @@
+"""Compile the FP4 MMA kernels for a CUDA target WITHOUT a GPU (Triton -> PTX -> cubin with the
+bundled ptxas) and report which MMA the GEMMs got: on sm100 ``tcgen05.mma`` with
+``kind::mxf4nvf4 ... block16`` ("nvfp4") or ``kind::mxf8f6f4 ... block32`` ("mxfp8"); on sm90
+the decomposed ``wgmma``. Used by tests/test_moe_fp4_compile.py and bench/sass_report.py; run it
+with TRITON_INTERPRET unset:
+
+    python -P -m k3nvfp4.kernels.moe_fp4_details.compile_fp4 --arch 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from ..moe_details.compile_check import _require_compiler, _source
+
+
+def compile_fp4_gemm(kind: str, act_quant: str, config, H: int, I: int, top_k: int, arch: int = 100,
+                     intermediate_static: bool = True):
+    """Compile GEMM1 ("gemm1", SiTU + intermediate quantization) or GEMM2 ("gemm2") of one FP4
+    mode at one FP4MoEConfig for sm<arch>. Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
+    _require_compiler()
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from . import kernels as K
+
+    mode = {"nvfp4": K.MODE_NVFP4, "mxfp8": K.MODE_MXFP8}[act_quant]
+    nv = mode == K.MODE_NVFP4
+    a_t = "*u8" if nv else "*fp8e4nv"
+    as_t = "*fp8e4nv" if nv else "*u8"
+    ws_t = "*fp8e4nv" if nv else "*u8"
+    common = dict(sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, H=H, I=I)
+    if kind == "gemm1":
+        fn = K.fp4_gemm1_kernel
+        args = dict(a_ptr=a_t, as_ptr=as_t, ars_ptr="*fp32", w_ptr="*u8", ws_ptr=ws_t, s2_ptr="*fp32",
+                    o_ptr=a_t, os_ptr=as_t, of_ptr="*fp32", top_k=top_k, beta=4.0, linear_beta=25.0,
+                    inter_scale=0.0372, **common)
+        consts = dict(MODE=mode, OUT_F32=nv and not intermediate_static, ACT=0, HAS_LINEAR_BETA=True,
+                      BLOCK_N=config.block_n1, BLOCK_K=config.block_k1)
+    else:
+        fn = K.fp4_gemm2_kernel
+        args = dict(a_ptr=a_t, as_ptr=as_t, ars_ptr="*fp32", w_ptr="*u8", ws_ptr=ws_t, s2_ptr="*fp32",
+                    topk_w_ptr="*fp32", buf_ptr="*fp32", inter_scale=0.0372, **common)
+        consts = dict(MODE=mode, INTER_STATIC=intermediate_static, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2)
+    consts.update(BLOCK_M=config.block_m, SWAP_AB=config.swap_ab, EMULATE=False)
+    return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def mma_summary(compiled) -> dict:
+    """What the PTX / TTGIR of a compiled GEMM say about its MMA."""
+    ptx = compiled.asm["ptx"]
+    ttgir = compiled.asm["ttgir"]
+    tc = [ln.strip() for ln in ptx.splitlines() if "tcgen05.mma" in ln]
+    kinds = sorted({m.group(0) for ln in tc for m in [re.search(r"kind::\w+", ln)] if m})
+    blocks = sorted({m.group(0) for ln in tc for m in [re.search(r"block_scale(\.block\d+)?", ln)] if m})
+    return {
+        "tcgen05_mma": len(tc),
+        "kinds": kinds,
+        "block_scale": blocks,
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "mma_sync": ptx.count("mma.sync"),
+        "ttgir_dot_scaled": ttgir.count("tt.dot_scaled"),
+        "shared_bytes": compiled.metadata.shared,
+    }
+
+
+def resource_summary(compiled) -> dict:
+    """Registers and local-memory (spill) bytes of the GEMM, from the cubin (cuobjdump)."""
+    from .. import sass
+
+    usage = sass.resource_usage(compiled.asm["cubin"])
+    name = next(n for n in usage if "gemm" in n)
+    return {"registers": usage[name].registers, "local_bytes": usage[name].local_bytes}
+
+
+# (name, FP4MoEConfig kwargs): decode (swap-AB, 16-token blocks) and prefill (128-row blocks).
+CONFIGS = (
+    ("bm16_swap", dict(block_m=16, swap_ab=True, block_n1=128, block_n2=128, block_k1=128, block_k2=64,
+                       num_warps=4)),
+    ("bm128_noswap", dict(block_m=128, swap_ab=False, block_n1=128, block_n2=128, block_k1=128, block_k2=64,
+                          num_warps=8)),
+)
+
+
+def compile_all(arch: int = 100, H: int = 3584, I: int = 192, top_k: int = 16) -> list[dict]:
+    """GEMM1 and GEMM2 of both FP4 modes at the CONFIGS, K3 TP16 shapes by default."""
+    import triton
+
+    from ..moe_fp4 import FP4MoEConfig
+
+    out = []
+    for act_quant in ("nvfp4", "mxfp8"):
+        for tag, kw in CONFIGS:
+            cfg = FP4MoEConfig(num_stages=3, **kw)
+            for kind in ("gemm1", "gemm2"):
+                rec = {"kernel": f"{kind}_{act_quant}_{tag}", "arch": arch, "triton": triton.__version__}
+                try:
+                    c = compile_fp4_gemm(kind, act_quant, cfg, H, I, top_k, arch)
+                    rec.update(mma_summary(c))
+                    rec.update(resource_summary(c))
+                except Exception as exc:  # reported, not hidden: the caller / test decides
+                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                out.append(rec)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3nvfp4.kernels.moe_fp4_details.compile_fp4",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, default=100, help="CUDA compute capability x10 (100 = B200, 90 = H200)")
+    args = ap.parse_args(argv)
+    json.dump(compile_all(args.arch), sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

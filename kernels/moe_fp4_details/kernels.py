@@ -1,0 +1,381 @@
+"""Triton jit kernels of the FP4 tensor-core MoE modes (``tl.dot_scaled``).
+
+MODE 0 = "nvfp4" (W4A4): activations E2M1 + E4M3 per 16 + fp32 per row, weights E2M1 + E4M3 per 16
+(+ scale_2 on the accumulator): tcgen05 ``kind::mxf4nvf4 block16`` on sm100.
+MODE 1 = "mxfp8" (W4A8): activations E4M3 + E8M0 per 32, weights E2M1 + E8M0 per 32 (scale_2
+folded in): tcgen05 ``kind::mxf8f6f4 block32`` on sm100.
+Elsewhere Triton decomposes ``tl.dot_scaled`` (wgmma on sm90). EMULATE=True replaces it by this
+module's own decomposition (dequantize to fp32, fp32 dot): Triton 3.8's interpreter decodes E4M3
+scales as E8M0, so the interpreter runs MODE 0 that way (moe_fp4.py decides; never on a GPU).
+
+Quantizers (_quant_nvfp4 / _quant_mxfp8) follow kernels/act_quant.py exactly: same fp32
+operations in the same order, IEEE divisions (div_rn), so the bits agree with the torch reference.
+Grid of both GEMMs: (max_blocks, cdiv(N, BLOCK_N)); blocks past the used rows exit at once. A column
+tile may run past N (I = 192 with 128-wide tiles: tcgen05's block-scaled MMA wants 128 rows on M).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..interpreter import interpret_requested
+from ..moe_details.kernels import _gated_act
+
+MODE_NVFP4 = 0
+MODE_MXFP8 = 1
+
+# Triton 3.8's interpreter converts fp32 -> float8e4nv wrongly (round half up, and a mantissa carry
+# is OR-ed into the exponent: 31.8 -> 16 instead of 32), so where the kernels are interpreted the
+# conversion is done in integer arithmetic (_f32_to_e4m3); on a GPU cvt.rn.satfinite does it.
+_SOFT_E4M3 = tl.constexpr(interpret_requested())
+
+
+@triton.jit
+def _f32_to_e4m3(x):
+    """fp32 with |x| <= 448 -> float8e4nv, round to nearest even (subnormals included)."""
+    if _SOFT_E4M3:
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = (bits >> 31) << 7
+        a = bits & 0x7FFFFFFF
+        # normal range (|x| >= 2^-6): round the fp32 mantissa to 3 bits; a carry moves into the exponent
+        r = (a + 0x7FFFF + ((a >> 20) & 1)) >> 20
+        normal = r - (120 << 3)
+        # subnormal range: multiples of 2^-9, rounded to an integer 0..8 by the 2^23 trick (8 is 2^-6)
+        m = tl.abs(x) * 512.0
+        sub = ((m + 8388608.0) - 8388608.0).to(tl.uint32)
+        mag = tl.where(tl.abs(x) < 0.015625, sub, normal)
+        return (mag | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _e2m1_codes(y):
+    """fp32 -> E2M1 codes (uint8), round to nearest, ties to even, saturating at 6; sign bit kept.
+    Ties: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4 (even codes)."""
+    m = tl.abs(y)
+    c = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+         + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    sign = (y.to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    return (c | (sign << 3)).to(tl.uint8)
+
+
+@triton.jit
+def _pack_pairs(codes, R: tl.constexpr, C: tl.constexpr):
+    """uint8 codes [R, C] -> packed bytes [R, C/2], low nibble = even element."""
+    lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+    return lo | (hi << 4)
+
+
+@triton.jit
+def _quant_nvfp4(x, rs, R: tl.constexpr, C: tl.constexpr):
+    """x fp32 [R, C], rs fp32 [R, 1] (row scales) -> (packed uint8 [R, C/2], E4M3 scales [R, C/16])."""
+    xb = tl.reshape(x, (R, C // 16, 16))
+    amax = tl.max(tl.abs(xb), axis=2)
+    bf = tl.minimum(tl.math.div_rn(amax, rs * 6.0), 448.0)
+    bs = _f32_to_e4m3(bf)
+    denom = bs.to(tl.float32) * rs
+    ok = denom > 0
+    y = tl.math.div_rn(xb, tl.where(ok, denom, 1.0)[:, :, None])
+    y = tl.where(ok[:, :, None], y, 0.0)  # underflowed block scale: flushed to +0
+    codes = _e2m1_codes(tl.reshape(y, (R, C)))
+    return _pack_pairs(codes, R, C), bs
+
+
+@triton.jit
+def _quant_mxfp8(x, R: tl.constexpr, C: tl.constexpr):
+    """x fp32 [R, C] -> (E4M3 values [R, C], E8M0 bytes uint8 [R, C/32]); act_quant.py's rule."""
+    xb = tl.reshape(x, (R, C // 32, 32))
+    amax = tl.max(tl.abs(xb), axis=2)
+    bits = amax.to(tl.int32, bitcast=True)
+    byte = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    byte = tl.minimum(tl.maximum(byte, 1), 254)
+    scale = (byte << 23).to(tl.float32, bitcast=True)
+    y = tl.math.div_rn(xb, scale[:, :, None])
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return _f32_to_e4m3(tl.reshape(y, (R, C))), byte.to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_to_f32(packed, R: tl.constexpr, C: tl.constexpr):
+    """packed uint8 [R, C/2] -> fp32 [R, C] (the 16 E2M1 values, exact)."""
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, C)).to(tl.int32)
+    mag = codes & 7
+    e = mag >> 1
+    mf = (mag & 1).to(tl.float32)
+    p = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
+    v = tl.where(e == 0, 0.5 * mf, p * (1.0 + 0.5 * mf))
+    return tl.where((codes & 8) != 0, -v, v)
+
+
+@triton.jit
+def _dequant_emulated(q, s, FMT: tl.constexpr, R: tl.constexpr, K: tl.constexpr, G: tl.constexpr):
+    """One dot_scaled operand, K-major ([R, K/2] packed E2M1 or [R, K] E4M3; scales [R, K/G]:
+    E4M3 per 16 (G = 16) or E8M0 per 32 (G = 32)) -> fp32 [R, K]."""
+    if FMT == "e2m1":
+        v = _e2m1_to_f32(q, R, K)
+    else:
+        v = q.to(tl.float32)
+    if G == 16:
+        sf = s.to(tl.float32)
+    else:
+        sf = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.reshape(v, (R, K // G, G)) * sf[:, :, None], (R, K))
+
+
+@triton.jit
+def _scaled_mma(acc, p, ps, P_FMT: tl.constexpr, q, qs, Q_FMT: tl.constexpr,
+                P_ROWS: tl.constexpr, Q_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr,
+                EMULATE: tl.constexpr):
+    """acc [P_ROWS, Q_ROWS] += p x q^T; both operands K-major tiles with their block scales (per G)."""
+    if EMULATE:
+        pv = _dequant_emulated(p, ps, P_FMT, P_ROWS, BLOCK_K, G)
+        qv = _dequant_emulated(q, qs, Q_FMT, Q_ROWS, BLOCK_K, G)
+        return tl.dot(pv, tl.trans(qv), acc, input_precision="ieee")
+    else:
+        return tl.dot_scaled(p, ps, P_FMT, tl.trans(q), qs, Q_FMT, acc)
+
+
+@triton.jit
+def _load_act(a_ptr, as_ptr, rows, k0, K, MODE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Quantized activation tile of the given rows, K columns k0 .. k0 + BLOCK_K (K % BLOCK_K == 0):
+    MODE 0 -> (packed [BM, BK/2], E4M3 [BM, BK/16]); MODE 1 -> (E4M3 [BM, BK], E8M0 [BM, BK/32])."""
+    if MODE == 0:
+        kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        q = tl.load(a_ptr + rows[:, None] * (K // 2) + kq[None, :])
+        s = tl.load(as_ptr + rows[:, None] * (K // 16) + ks[None, :])
+    else:
+        kq = k0 + tl.arange(0, BLOCK_K)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        q = tl.load(a_ptr + rows[:, None] * K + kq[None, :])
+        s = tl.load(as_ptr + rows[:, None] * (K // 32) + ks[None, :])
+    return q, s
+
+
+@triton.jit
+def _load_w(w_ptr, ws_ptr, rows, k0, K, MODE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight tile of one expert (pointers already at the expert): packed [BN, BK/2] and its scales
+    (MODE 0: E4M3 [BN, BK/16]; MODE 1: E8M0 [BN, BK/32]). rows: int64 [BN]."""
+    kq = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    q = tl.load(w_ptr + rows[:, None] * (K // 2) + kq[None, :])
+    if MODE == 0:
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        s = tl.load(ws_ptr + rows[:, None] * (K // 16) + ks[None, :])
+    else:
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s = tl.load(ws_ptr + rows[:, None] * (K // 32) + ks[None, :])
+    return q, s
+
+
+@triton.jit
+def _mma_step(acc, aq, asc, wq, wsc, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EMULATE: tl.constexpr):
+    A_FMT: tl.constexpr = "e2m1" if MODE == 0 else "e4m3"
+    G: tl.constexpr = 16 if MODE == 0 else 32
+    if SWAP_AB:  # weights on the MMA M side, tokens on N: acc [BN, BM]
+        return _scaled_mma(acc, wq, wsc, "e2m1", aq, asc, A_FMT, BLOCK_N, BLOCK_M, BLOCK_K, G, EMULATE)
+    else:
+        return _scaled_mma(acc, aq, asc, A_FMT, wq, wsc, "e2m1", BLOCK_M, BLOCK_N, BLOCK_K, G, EMULATE)
+
+
+@triton.jit
+def _as_mn(acc, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
+def quant_rows_kernel(
+    x_ptr, stride_xm, q_ptr, s_ptr, rs_ptr, num_rows_ptr, K, static_scale,
+    MODE: tl.constexpr, STATIC: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Quantize row r = program_id(0) of x [R, K] (any float dtype, K % BLOCK_K == 0) once.
+
+    MODE 0 (NVFP4): pass 1 row amax (unless STATIC: row scale = static_scale), pass 2 packed
+    [R, K/2] + E4M3 [R, K/16] + fp32 row scale [R]. MODE 1 (MXFP8): E4M3 [R, K] + E8M0 [R, K/32].
+    HAS_NUM_ROWS: rows >= num_rows_ptr[0] (unused padding rows of the intermediate) exit.
+    """
+    r = tl.program_id(0).to(tl.int64)
+    if HAS_NUM_ROWS:
+        if r >= tl.load(num_rows_ptr):
+            return
+    row = x_ptr + r * stride_xm
+    offs = tl.arange(0, BLOCK_K)
+    if MODE == 0:
+        if STATIC:
+            rs = static_scale + tl.zeros((1, 1), dtype=tl.float32)
+        else:
+            amax = tl.zeros((1, 1), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(row + k0 + offs[None, :]).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1, keep_dims=True))
+            rs = tl.math.div_rn(amax, 2688.0)
+            rs = tl.where(rs > 0, rs, 1.0)
+        tl.store(rs_ptr + r + tl.zeros((1, 1), dtype=tl.int64), rs)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(row + k0 + offs[None, :]).to(tl.float32)
+            q, s = _quant_nvfp4(x, rs, 1, BLOCK_K)
+            tl.store(q_ptr + r * (K // 2) + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :], q)
+            tl.store(s_ptr + r * (K // 16) + k0 // 16 + tl.arange(0, BLOCK_K // 16)[None, :], s)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(row + k0 + offs[None, :]).to(tl.float32)
+            q, s = _quant_mxfp8(x, 1, BLOCK_K)
+            tl.store(q_ptr + r * K + k0 + offs[None, :], q)
+            tl.store(s_ptr + r * (K // 32) + k0 // 32 + tl.arange(0, BLOCK_K // 32)[None, :], s)
+
+
+@triton.jit
+def fp4_gemm1_kernel(
+    a_ptr, as_ptr, ars_ptr,
+    w_ptr, ws_ptr, s2_ptr,
+    o_ptr, os_ptr, of_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, top_k, H, I,
+    beta, linear_beta, inter_scale,
+    MODE: tl.constexpr, OUT_F32: tl.constexpr, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """GEMM1 + gated activation + quantization of the intermediate, one (row block, column tile).
+
+    a: the tokens' quantized activations (quant_rows_kernel; row scale ars [M] in MODE 0), read
+    through pair -> token, so each token is quantized once for all its experts. Gate rows n and up
+    rows I + n of the block's expert; in MODE 0 the fp32 accumulators are multiplied by the row
+    scale and the per-half scale_2 (MODE 1 has scale_2 folded into the E8M0 scales). Epilogue:
+    SiTU / SiLU in fp32, then
+      OUT_F32: store fp32 [max_padded, I] to of (quantized afterwards by quant_rows_kernel), or
+      MODE 0: NVFP4 with the static row scale inter_scale -> o packed [max_padded, I/2], os E4M3
+              [max_padded, I/16];  MODE 1: MXFP8 -> o E4M3 [max_padded, I], os E8M0 [max_padded, I/32].
+    Padding rows are not stored.
+    """
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_b * BLOCK_M >= num_padded:
+        return
+    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    offs_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    valid = pair < num_pairs
+    token = tl.where(valid, pair // top_k, 0)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_ok = offs_n < I
+    w_rows = tl.minimum(offs_n, I - 1)  # a tile past I re-reads row I - 1 (never stored)
+    two_i = 2 * I
+    w_e = w_ptr + expert * two_i * (H // 2)
+    if MODE == 0:
+        ws_e = ws_ptr + expert * two_i * (H // 16)
+    else:
+        ws_e = ws_ptr + expert * two_i * (H // 32)
+    if SWAP_AB:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        aq, asc = _load_act(a_ptr, as_ptr, token, k0, H, MODE, BLOCK_K)
+        gq, gs = _load_w(w_e, ws_e, w_rows, k0, H, MODE, BLOCK_K)
+        uq, us = _load_w(w_e, ws_e, I + w_rows, k0, H, MODE, BLOCK_K)
+        acc_g = _mma_step(acc_g, aq, asc, gq, gs, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EMULATE)
+        acc_u = _mma_step(acc_u, aq, asc, uq, us, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EMULATE)
+    g = _as_mn(acc_g, SWAP_AB)
+    u = _as_mn(acc_u, SWAP_AB)
+    if MODE == 0:
+        rs = tl.load(ars_ptr + token)[:, None]
+        g = g * rs * tl.load(s2_ptr + expert * 2)
+        u = u * rs * tl.load(s2_ptr + expert * 2 + 1)
+    act = _gated_act(g, u, beta, linear_beta, ACT, HAS_LINEAR_BETA)
+    rows = offs_m.to(tl.int64)[:, None]
+    # I % 64 == 0: every 16- / 32-block of a tile lies wholly before or past I.
+    cq = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    c16 = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
+    c32 = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+    if OUT_F32:
+        tl.store(of_ptr + rows * I + offs_n[None, :], act, mask=valid[:, None] & n_ok[None, :])
+    elif MODE == 0:
+        q, s = _quant_nvfp4(act, inter_scale + tl.zeros((BLOCK_M, 1), dtype=tl.float32), BLOCK_M, BLOCK_N)
+        tl.store(o_ptr + rows * (I // 2) + cq[None, :], q, mask=valid[:, None] & (cq < I // 2)[None, :])
+        tl.store(os_ptr + rows * (I // 16) + c16[None, :], s, mask=valid[:, None] & (c16 < I // 16)[None, :])
+    else:
+        q, s = _quant_mxfp8(act, BLOCK_M, BLOCK_N)
+        tl.store(o_ptr + rows * I + offs_n[None, :], q, mask=valid[:, None] & n_ok[None, :])
+        tl.store(os_ptr + rows * (I // 32) + c32[None, :], s, mask=valid[:, None] & (c32 < I // 32)[None, :])
+
+
+@triton.jit
+def fp4_gemm2_kernel(
+    a_ptr, as_ptr, ars_ptr,
+    w_ptr, ws_ptr, s2_ptr,
+    topk_w_ptr, buf_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, H, I, inter_scale,
+    MODE: tl.constexpr, INTER_STATIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """GEMM2 of one (row block, column tile): the quantized intermediate rows of the block (sorted
+    order) x w2[expert]^T; MODE 0 multiplies the fp32 accumulator by the intermediate's row scale
+    (inter_scale when INTER_STATIC, else ars [max_padded]) and w2's scale_2; then by the pair's
+    routing weight. Stores fp32 rows buf[pair, H] (summed over top-k by combine_kernel in a fixed
+    order: deterministic)."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_b * BLOCK_M >= num_padded:
+        return
+    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    offs_m = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    valid = pair < num_pairs
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_ok = offs_n < H
+    w_rows = tl.minimum(offs_n, H - 1)  # a tile past H re-reads row H - 1 (never stored)
+    w_e = w_ptr + expert * H * (I // 2)
+    if MODE == 0:
+        ws_e = ws_ptr + expert * H * (I // 16)
+    else:
+        ws_e = ws_ptr + expert * H * (I // 32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        aq, asc = _load_act(a_ptr, as_ptr, offs_m, k0, I, MODE, BLOCK_K)
+        wq, wsc = _load_w(w_e, ws_e, w_rows, k0, I, MODE, BLOCK_K)
+        acc = _mma_step(acc, aq, asc, wq, wsc, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EMULATE)
+    y = _as_mn(acc, SWAP_AB)
+    if MODE == 0:
+        if INTER_STATIC:
+            y = y * inter_scale
+        else:
+            y = y * tl.load(ars_ptr + offs_m)[:, None]
+        y = y * tl.load(s2_ptr + expert)
+    tw = tl.load(topk_w_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+    y = y * tw[:, None]
+    tl.store(buf_ptr + pair[:, None] * H + offs_n[None, :], y, mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    buf_ptr, ids_ptr, stride_im, stride_ik, out_ptr, stride_om, stride_on,
+    top_k, num_experts, H, scale,
+    BLOCK: tl.constexpr,
+):
+    """out[t, cols] = scale x sum over slots j = 0 .. k-1 (in order) of buf[t k + j, cols], slots
+    whose id lies outside [0, E) skipped (their rows were never written); cast to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(0, top_k):
+        e = tl.load(ids_ptr + t * stride_im + j * stride_ik)
+        ok = (e >= 0) & (e < num_experts)
+        acc += tl.load(buf_ptr + (t * top_k + j) * H + cols, mask=cmask & ok, other=0.0)
+    acc = acc * scale
+    tl.store(out_ptr + t * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty), mask=cmask)

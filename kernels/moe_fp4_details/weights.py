@@ -1,0 +1,161 @@
+"""FP4MMAWeights: expert weights in the plain layouts ``tl.dot_scaled`` reads.
+
+Both FP4 modes read the ModelOpt nibbles unchanged (uint8 [E, N, K/2], K contiguous, low nibble =
+even element). act_quant="nvfp4" reads the E4M3 block scales per 16 and applies scale_2 to the
+fp32 accumulator; act_quant="mxfp8" needs E8M0 scales per 32 (MXFP4 weights, K3's own format),
+recovered exactly from the NVFP4 tensors by :func:`recover_e8m0`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import formats
+from ..moe_details.weights import NVFP4MoEWeights
+
+
+class E8M0RecoveryError(ValueError):
+    """An NVFP4 matrix whose blocks are not exactly MXFP4 (refused for act_quant="mxfp8")."""
+
+
+def _pow2_exponent(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 values -> (is an exact positive power of two, its exponent as int32)."""
+    mant, exp = torch.frexp(v)
+    return (v > 0) & (mant == 0.5), (exp - 1).to(torch.int32)
+
+
+def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, name: str) -> torch.Tensor:
+    """E8M0 bytes per 32 of an NVFP4 matrix set that is exactly MXFP4.
+
+    packed uint8 [E, N, K/2]; scale float8_e4m3fn [E, N, K/16]; scale_2 float32 [E, N] (the scale_2
+    of each row: gate and up rows of w13 may differ). Per 32-block the two E4M3 scales must be the
+    same power of two 2^j (a 16-half that is zero - nibbles all +-0 or scale 0 - may carry any
+    scale) and scale_2 must be a power of two 2^m; the byte is j + m + 127, which must lie in
+    [1, 254] (0 would be decoded as 0 by Triton 3.8). Blocks that are zero throughout get byte 127.
+    Returns uint8 [E, N, K/32]; raises E8M0RecoveryError naming ``name`` and the first bad block.
+    """
+    E, N, half_k = packed.shape
+    K = half_k * 2
+    if K % formats.MXFP4_BLOCK:
+        raise E8M0RecoveryError(f"{name}: K = {K} is not a multiple of 32 (the MXFP4 block)")
+    s2_ok, m = _pow2_exponent(scale_2.float())
+    if not bool(s2_ok.all()):
+        bad = torch.nonzero(~s2_ok)[0].tolist()
+        raise E8M0RecoveryError(
+            f"{name}: weight_scale_2 {float(scale_2[tuple(bad)]):.9g} (expert {bad[0]}) is not a power of two, "
+            "so its blocks have no E8M0 scale; act_quant='mxfp8' needs a checkpoint cast bit-exactly from MXFP4"
+        )
+    sf = formats.e4m3_to_float(scale).reshape(E, N, K // 32, 2)
+    # [E, N, K/32, 2]: the 16-half has a non-zero value (some nibble is not +-0 and its scale is not 0)
+    nz = ((packed.reshape(E, N, K // 32, 2, 8) & 0x77).amax(-1) != 0) & (sf != 0)
+    s_ok, j = _pow2_exponent(sf)
+    half_bad = nz & ~s_ok
+    j_any = torch.where(nz[..., 0], j[..., 0], j[..., 1])
+    disagree = nz[..., 0] & nz[..., 1] & (j[..., 0] != j[..., 1])
+    byte = j_any + m[:, :, None] + formats.E8M0_BIAS
+    used = nz.any(-1)
+    out_of_range = used & ((byte < 1) | (byte > 254))
+    bad = half_bad.any(-1) | disagree | out_of_range
+    if bool(bad.any()):
+        e, n, b = torch.nonzero(bad)[0].tolist()
+        why = ("a block scale that is not a power of two (a re-quantized block)" if bool(half_bad[e, n, b].any())
+               else "two 16-block scales that differ" if bool(disagree[e, n, b])
+               else f"an exponent outside E8M0 [1, 254] (byte {int(byte[e, n, b])})")
+        raise E8M0RecoveryError(
+            f"{name}: {int(bad.sum())} block(s) are not exact MXFP4; first at expert {e}, row {n}, 32-block {b} "
+            f"(elements {32 * b}..{32 * b + 31}): {why}. act_quant='mxfp8' is refused for this matrix"
+        )
+    return torch.where(used, byte, torch.full_like(byte, formats.E8M0_BIAS)).to(torch.uint8).contiguous()
+
+
+@dataclass(frozen=True)
+class FP4MMAWeights:
+    """Routed-expert weights of one layer for the block-scaled MMA kernels.
+
+      w13          uint8 [E, 2I, H/2]     gate (w1) rows then up (w3) rows, E2M1 nibbles
+      w13_scale    float8_e4m3fn [E, 2I, H/16]
+      w13_scale_2  float32 [E, 2]         (gate, up)
+      w2           uint8 [E, H, I/2]
+      w2_scale     float8_e4m3fn [E, H, I/16]
+      w2_scale_2   float32 [E]
+      w13_e8m0     uint8 [E, 2I, H/32] or None (scale_2 folded in; act_quant="mxfp8" only)
+      w2_e8m0      uint8 [E, H, I/32] or None
+    H and I must be multiples of 64 (whole K tiles for the MMA, no masks on the K loop).
+    """
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_scale_2: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_scale_2: torch.Tensor
+    w13_e8m0: torch.Tensor | None
+    w2_e8m0: torch.Tensor | None
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    @classmethod
+    def from_nvfp4(cls, weights: NVFP4MoEWeights, *, mxfp8: bool = True) -> "FP4MMAWeights":
+        """From the W4A16 weights (bit-exact ModelOpt tensors via to_modelopt()). mxfp8=True also
+        recovers the E8M0 scales (raises E8M0RecoveryError when the matrices are not exact MXFP4)."""
+        if not isinstance(weights, NVFP4MoEWeights):
+            raise TypeError(f"weights: expected NVFP4MoEWeights, got {type(weights).__name__}")
+        return cls.from_modelopt(*weights.to_modelopt(), mxfp8=mxfp8)
+
+    @classmethod
+    def from_modelopt(
+        cls,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w13_scale_2: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+        w2_scale_2: torch.Tensor,
+        *,
+        mxfp8: bool = True,
+    ) -> "FP4MMAWeights":
+        """SGLang's ModelOpt NVFP4 MoE tensors (shapes as NVFP4MoEWeights.from_modelopt; scales
+        float8_e4m3fn or their uint8 bits, w13_scale_2 [E, 2] or [E]). Validated through
+        NVFP4MoEWeights' checks; the inputs are not modified."""
+        # Reuse the W4A16 validation (names the tensor on bad input) without building its layout.
+        from ..moe_details import weights as w4a16
+
+        for t, name in ((w13, "w13"), (w2, "w2")):
+            w4a16._check(t, name, (torch.uint8,), 3)
+        for t, name in ((w13_scale, "w13_scale"), (w2_scale, "w2_scale")):
+            w4a16._check(t, name, (torch.float8_e4m3fn, torch.uint8), 3)
+        E, I, H = w4a16._check_shapes(w13, w2, w13_scale_2, w2_scale_2)
+        w4a16._shape(w13_scale, "w13_scale", (E, 2 * I, H // 16))
+        w4a16._shape(w2_scale, "w2_scale", (E, H, I // 16))
+        w4a16._same_device(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+        if H % 64 or I % 64:
+            raise ValueError(f"FP4MMAWeights: H = {H} and I = {I} must be multiples of 64 for the FP4 MMA kernels")
+        w13_scale = w13_scale.view(torch.float8_e4m3fn) if w13_scale.dtype == torch.uint8 else w13_scale
+        w2_scale = w2_scale.view(torch.float8_e4m3fn) if w2_scale.dtype == torch.uint8 else w2_scale
+        s13 = w4a16._gate_up_scale_2(w13_scale_2, E).float()
+        s2 = w2_scale_2.reshape(E).float().contiguous()
+        e13 = e2 = None
+        if mxfp8:
+            rows13 = torch.cat([s13[:, :1].expand(E, I), s13[:, 1:].expand(E, I)], dim=1)
+            e13 = recover_e8m0(w13, w13_scale, rows13, "w13")
+            e2 = recover_e8m0(w2, w2_scale, s2[:, None].expand(E, H), "w2")
+        return cls(w13.contiguous(), w13_scale.contiguous(), s13, w2.contiguous(), w2_scale.contiguous(), s2,
+                   e13, e2, H, I)
+
+    def to(self, device) -> "FP4MMAWeights":
+        import dataclasses
+
+        return dataclasses.replace(self, **{
+            f: (getattr(self, f).to(device) if getattr(self, f) is not None else None)
+            for f in ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2", "w13_e8m0", "w2_e8m0")
+        })

@@ -1,0 +1,96 @@
+"""Which activation quantization ``triton_situ`` runs: ``K3NVFP4_ACT_QUANT`` (and its input scale).
+
+- ``none`` (default everywhere): W4A16, FP4 weights dequantized in registers, bf16 MMA. The
+  default on Blackwell too: it has the numerics of the deployed marlin W4A16 path, and the FP4
+  modes' accuracy cost on the real model is not measured yet (``k3nvfp4-ab layer --arms
+  reference,triton_situ,triton_situ:nvfp4,triton_situ:mxfp8`` measures it on a layer).
+- ``mxfp8``: W4A8, MXFP8 activations against MXFP4 weights (Kimi-K3's native numerics; the
+  E8M0 weight scales are recovered exactly from the NVFP4 tensors, or the load stops naming the
+  matrix that has none); Blackwell's ``kind::mxf8f6f4`` MMA.
+- ``nvfp4``: W4A4, NVFP4 activations (dynamic per-token scale); Blackwell's ``kind::mxf4nvf4``.
+  ``K3NVFP4_NVFP4_INPUT_SCALE=checkpoint`` uses a W4A4 checkpoint's ``input_scale`` instead
+  (the max over the layer's experts of w1/w3's, one static scale; default ``dynamic``).
+
+Off Blackwell the FP4 modes run decomposed (correct, not fast; the load log says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from . import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+
+ENV_ACT_QUANT = "K3NVFP4_ACT_QUANT"
+ENV_INPUT_SCALE = "K3NVFP4_NVFP4_INPUT_SCALE"
+ACT_QUANT_MODES = ("none", "nvfp4", "mxfp8")
+DEFAULT_ACT_QUANT = "none"
+INPUT_SCALE_MODES = ("dynamic", "checkpoint")
+# Layer attribute: the static NVFP4 input scale (a float) when the checkpoint's is used.
+INPUT_SCALE_ATTR = "k3nvfp4_input_scale"
+
+
+def selected_act_quant() -> str:
+    """The mode K3NVFP4_ACT_QUANT asks for (default none); a bad value names the variable."""
+    raw = os.environ.get(ENV_ACT_QUANT, DEFAULT_ACT_QUANT).strip().lower() or DEFAULT_ACT_QUANT
+    if raw not in ACT_QUANT_MODES:
+        raise ValueError(f"{ENV_ACT_QUANT}={os.environ[ENV_ACT_QUANT]!r}: expected one of {', '.join(ACT_QUANT_MODES)}")
+    return raw
+
+
+def selected_input_scale() -> str:
+    raw = os.environ.get(ENV_INPUT_SCALE, "dynamic").strip().lower() or "dynamic"
+    if raw not in INPUT_SCALE_MODES:
+        raise ValueError(f"{ENV_INPUT_SCALE}={os.environ[ENV_INPUT_SCALE]!r}: expected one of {', '.join(INPUT_SCALE_MODES)}")
+    return raw
+
+
+def where_it_runs(act_quant: str) -> str:
+    """For the load log: native block-scaled MMA, decomposed, or the interpreter."""
+    if act_quant == "none":
+        return "bf16 MMA (W4A16)"
+    if not torch.cuda.is_available():
+        return "Triton interpreter (tl.dot_scaled decomposed)"
+    major, minor = torch.cuda.get_device_capability()
+    if major == 10:
+        return f"sm{major}{minor}: native tcgen05 block-scaled MMA"
+    return f"sm{major}{minor}: tl.dot_scaled decomposed (correct, not the Blackwell fast path)"
+
+
+def kernel_weights_for_mode(weights: Any, act_quant: str, layer_name: str) -> Any:
+    """The weights the kernels take in this mode: NVFP4MoEWeights for none, FP4MMAWeights else
+    (prepared once, at load)."""
+    if act_quant == "none":
+        return weights
+    from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, FP4MMAWeights, check_fp4_mode_supported
+
+    check_fp4_mode_supported(act_quant, weights.device)  # a clear error at load, not at the first forward
+    try:
+        return FP4MMAWeights.from_nvfp4(weights, mxfp8=act_quant == "mxfp8")
+    except E8M0RecoveryError as err:
+        raise ValueError(
+            f"{BACKEND_NAME} with {ENV_ACT_QUANT}=mxfp8: layer {layer_name!r}: {err}. Use "
+            f"{ENV_ACT_QUANT}=nvfp4 or none for this checkpoint."
+        ) from None
+
+
+def static_input_scale(layer: Any, act_quant: str) -> float | None:
+    """The W4A4 checkpoint's GEMM1 input scale (max over the layer's w13 input_scale) when
+    K3NVFP4_NVFP4_INPUT_SCALE=checkpoint and the mode is nvfp4; else None (dynamic)."""
+    if act_quant != "nvfp4" or selected_input_scale() != "checkpoint":
+        return None
+    scale = getattr(layer, "w13_input_scale", None)
+    if not isinstance(scale, torch.Tensor) or not scale.numel():
+        raise ValueError(
+            f"{ENV_INPUT_SCALE}=checkpoint: layer {getattr(layer, 'layer_name', '?')!r} has no w13_input_scale "
+            "(a W4A16 checkpoint); unset it for dynamic scales"
+        )
+    value = float(scale.detach().float().max())
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"{ENV_INPUT_SCALE}=checkpoint: layer w13_input_scale max is {value}; expected a finite value > 0")
+    return value
