@@ -236,7 +236,10 @@ def heuristic_moe_config(
       tail: K3's TP16 shard has I = 192), capped at 128 for block_m >= 64; 4 warps with
       block_k2 = 64 at block_m <= 32 (each warp then owns 64 rows, halving the per-iteration
       overhead; at block_m 64 that would spill), else 8. On Blackwell (arch >= 100: the
-      weights go through shared memory to tcgen05) block_k2 <= 128, where 256 spills.
+      weights go through shared memory to tcgen05) block_k2 <= 128, where 256 spills, and at
+      block_m 32 with block_k2 128 the GEMM2 tile is 128 x 128 on 4 warps (256 wide spills in
+      the epilogue there). At block_m 128 sm100's GEMM2 keeps 256 x 128 with 48 spilled bytes,
+      outside the K loop (128 wide would cost 26% more instructions per weight).
     - arch: compute capability x 10 (None: the current device's, 90 without a GPU).
     - split-K when the expected number of programs (active experts x column tiles) is below
       2 x num_sms: enough K slices to reach it, capped at 8 and at K / block_k. Split-K adds no
@@ -265,6 +268,10 @@ def heuristic_moe_config(
         arch = current_arch()
     block_k2 = _largest_dividing(I, (256, 128, 64) if block_m <= 32 and arch < 100 else (128, 64))
     warps2 = 4 if block_k2 == 64 and block_m <= 32 else 8
+    if arch >= 100 and block_m == 32 and block_k2 == 128:
+        # sm100: 256 x 128 tiles at 32 tokens spill (the top-k epilogue); 128 x 128 on 4 warps
+        # does not and issues fewer instructions per weight (bench/results/sass-sm100.json).
+        block_n2, warps2 = 128, 4
 
     def split(k_dim: int, block_k: int, tiles: int) -> int:
         s = 1
