@@ -233,7 +233,7 @@ def log_active_once(layer: Any, weights: Any, source: str) -> None:
     logger.info(
         "k3nvfp4: MoE runner backend %s active: %d local of %d experts, hidden %d, "
         "intermediate/rank %d, moe tp %d/ep %d, activation %s (beta=%s, linear_beta=%s), "
-        "weights from %s, layout %s w13 %s + w2 %s, gate/up scale_2 separate, on %s; "
+        "weights from %s, layout %s w13 %s + w2 %s %s, gate/up scale_2 separate, on %s; "
         "activation quantization %s (K3NVFP4_ACT_QUANT, input scale %s) on %s",
         BACKEND_NAME,
         layer.num_local_experts,
@@ -249,6 +249,8 @@ def log_active_once(layer: Any, weights: Any, source: str) -> None:
         type(weights).__name__,
         list(weights.w13.shape),
         list(weights.w2.shape),
+        "kernel-native FP4 tiles (bit-placed e2m1, bf16 block-16 scales)" if act_quant == "none"
+        else "e2m1 + block scales for tl.dot_scaled",
         weights.w13.device,
         act_quant,
         "dynamic" if input_scale is None else f"static {input_scale:g} from the checkpoint",
