@@ -198,6 +198,26 @@ def graph_or_eager(torch, fn, cpu: bool):
         return fn, "eager", f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def time_call(torch, call, out, timer, *, use_graph: bool, what: str) -> tuple[float, int, float, str, str | None]:
+    """(time, iters, eager time, mode, graph failure) of ``call`` (writes ``out``): timed eagerly,
+    then as a CUDA-graph replay when ``use_graph`` and capture works. The replay must compute what
+    the eager call computed (normwise 1e-2: atomic reductions may reorder the sum)."""
+    from k3nvfp4.kernels.tune import normwise_error
+
+    t_eager, n = timer.measure(call)
+    t, mode, why = t_eager, "eager", None
+    if use_graph:
+        fn, mode, why = graph_or_eager(torch, call, False)
+        if mode == "cuda_graph":
+            t, n = timer.measure(fn)
+            ref_out = out.clone()
+            out.fill_(float("nan"))
+            fn()
+            if not torch.equal(out, ref_out) and normwise_error(out, ref_out.float()) > 1e-2:
+                raise RuntimeError(f"{what}: CUDA-graph replay differs from the eager call")
+    return t, n, t_eager, mode, why
+
+
 def bf16_moe_loop(torch, x, w13, w2, topk_weights, topk_ids):
     """Per-expert loop (host sync per expert): the fallback where _grouped_mm is unavailable."""
     M, k = topk_ids.shape
@@ -311,6 +331,7 @@ def fp4_mode_arms(torch, shape, device, seed: int) -> dict:
 def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, timer, no_graph: bool) -> dict:
     """One FP4-mode point: checked against fused_moe_fp4_reference (normwise <= 1e-2) before timing."""
     from k3nvfp4.kernels.moe_fp4_reference import fused_moe_fp4_reference
+    from k3nvfp4.kernels.tune import normwise_error
 
     out = torch.empty_like(x)
     run = lambda: fused_moe_nvfp4(x, weights, tw, ids, act_quant=act_quant, out=out)  # noqa: E731
@@ -319,9 +340,8 @@ def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, t
     err = normwise_error(out, ref)
     if not err <= 1e-2:
         return {"error": f"output differs from fused_moe_fp4_reference: normwise {err:.3g} > 1e-2 (not timed)"}
-    fn, mode, why = graph_or_eager(torch, run, no_graph)
-    t, n = timer.measure(fn)
-    return {"time_us": t * 1e6, "mode": mode, "iters": n, "normwise_vs_reference": err,
+    t, n, t_eager, mode, why = time_call(torch, run, out, timer, use_graph=not no_graph, what=f"act_quant={act_quant}")
+    return {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "normwise_vs_reference": err,
             **({"graph_failure": why} if why else {})}
 
 
@@ -329,23 +349,11 @@ def time_marlin(torch, marlin, x, tw, ids, shape, M: int, timer, nbytes: int, no
     """One marlin MoE call timed like ours (graph replay when capture works; the eager time too),
     plus the routing alignment alone and which alignment kernel SGLang would run here."""
     from peers.marlin.moe import align_path, moe_block_size
-    from k3nvfp4.kernels.tune import normwise_error
 
     xb = x.to(torch.bfloat16)
     out = torch.empty(M, shape.H, dtype=torch.bfloat16, device=x.device)
     call = lambda: marlin(xb, tw, ids, out=out)  # noqa: E731
-    t_eager, n = timer.measure(call)
-    t, mode, why = t_eager, "eager", None
-    if not no_graph:
-        fn, mode, why = graph_or_eager(torch, call, False)
-        if mode == "cuda_graph":
-            t, n = timer.measure(fn)
-            ref_out = out.clone()
-            out.fill_(float("nan"))
-            fn()
-            # atomic-add reduction: the summation order may differ between runs
-            if not torch.equal(out, ref_out) and normwise_error(out, ref_out.float()) > 1e-2:
-                raise RuntimeError("marlin: CUDA-graph replay differs from the eager call")
+    t, n, t_eager, mode, why = time_call(torch, call, out, timer, use_graph=not no_graph, what="marlin")
     block = moe_block_size(M, shape.top_k, shape.E)
     t_align, _ = timer.measure(lambda: marlin.align(ids, block))
     sglang_align, here_align = align_path(M, shape.top_k, shape.global_experts, marlin.is_ep)
@@ -545,20 +553,10 @@ def main(argv=None) -> int:
                              config=cfg.to_dict())  # fmt: skip
                 out = torch.empty(M, shape.H, dtype=dtype, device=device)
                 ours = lambda: fused_moe_nvfp4(x, weights, tw, ids, out=out)  # noqa: E731
-                t_eager, n = timer.measure(ours)
-                t, mode = t_eager, "eager"
-                if not args.no_graph:
-                    fn, mode, why = graph_or_eager(torch, ours, cpu)
-                    if why:
-                        point["graph_failure"] = why
-                    if mode == "cuda_graph":
-                        t, n = timer.measure(fn)
-                        # the graph must compute what the eager call computes
-                        ref_out = out.clone()
-                        out.fill_(float("nan"))
-                        fn()
-                        if not torch.equal(out, ref_out) and normwise_error(out, ref_out.float()) > 1e-2:
-                            raise RuntimeError("CUDA-graph replay differs from the eager call")
+                t, n, t_eager, mode, why = time_call(torch, ours, out, timer, use_graph=not (args.no_graph or cpu),
+                                                     what="triton_situ")  # fmt: skip
+                if why:
+                    point["graph_failure"] = why
                 ours_res = {
                     "time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n,
                     "GBps": nbytes["nvfp4"] / t / 1e9, "pct_bw": 100 * nbytes["nvfp4"] / t / (H200_BW_TBPS * 1e12),

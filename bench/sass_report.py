@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import pathlib
 import subprocess

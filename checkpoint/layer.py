@@ -65,10 +65,12 @@ def _text_config(ckpt: Path) -> dict:
 def load_moe_layer(ckpt_dir: str | os.PathLike, layer: int, experts: Sequence[int] | None = None) -> NVFP4MoELayer:
     """The routed experts of MoE layer ``layer`` from a ModelOpt NVFP4 checkpoint (the cast) or
     from the MXFP4 release (``weight_packed`` tensors), whichever ``ckpt_dir`` holds."""
-    names = _weight_map(Path(ckpt_dir))
-    if any(re.search(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight_packed$", n) for n in names):
-        return load_moe_layer_mxfp4(ckpt_dir, layer, experts)
-    return load_moe_layer_nvfp4(ckpt_dir, layer, experts)
+    ckpt = Path(ckpt_dir)
+    weight_map = _weight_map(ckpt)  # read once, for the format and the load
+    mxfp4 = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight_packed$")
+    if any(mxfp4.search(n) for n in weight_map):
+        return _load_mxfp4(ckpt, weight_map, layer, experts)
+    return _load_nvfp4(ckpt, weight_map, layer, experts)
 
 
 def _weight_map(ckpt: Path) -> dict[str, str]:
@@ -92,13 +94,13 @@ class _ExpertTensors:
     text: dict
 
 
-def _read_experts(ckpt: Path, layer: int, experts: Sequence[int] | None, suffixes: tuple[str, ...],
-                  not_found_hint: str) -> _ExpertTensors:  # fmt: skip
+def _read_experts(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Sequence[int] | None,
+                  suffixes: tuple[str, ...], not_found_hint: str) -> _ExpertTensors:  # fmt: skip
     """Stacked per-expert tensors ``suffixes`` of w1/w3/w2; each shard opened once."""
-    weight_map = _weight_map(ckpt)
     found: dict[int, str] = {}
+    pattern = _expert_pattern(layer, suffixes[0])
     for name in weight_map:
-        m = _expert_pattern(layer, suffixes[0]).match(name)
+        m = pattern.match(name)
         if m:
             found[int(m["e"])] = m["p"]
     if not found:
@@ -156,10 +158,15 @@ def load_moe_layer_nvfp4(
     ``k3nvfp4-cast``), stacked in SGLang's ModelOpt layout, with the layer's config facts. ``experts``: global expert ids to
     load, in this order (default: all of the layer). Each shard is opened once, lazily."""
     ckpt = Path(ckpt_dir)
-    mx = any(_expert_pattern(layer, "weight_packed").match(n) for n in _weight_map(ckpt))
+    return _load_nvfp4(ckpt, _weight_map(ckpt), layer, experts)
+
+
+def _load_nvfp4(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Sequence[int] | None) -> NVFP4MoELayer:
+    mx_pattern = _expert_pattern(layer, "weight_packed")
+    mx = any(mx_pattern.match(n) for n in weight_map)
     hint = (" (it holds MXFP4 weight_packed tensors: cast it with k3nvfp4-cast, or read it directly with "
             "load_moe_layer_mxfp4)") if mx else ""  # fmt: skip
-    t = _read_experts(ckpt, layer, experts, ("weight", "weight_scale", "weight_scale_2"), hint)
+    t = _read_experts(ckpt, weight_map, layer, experts, ("weight", "weight_scale", "weight_scale_2"), hint)
     w1, w3 = t.get("w1", "weight"), t.get("w3", "weight")
     s1, s3 = t.get("w1", "weight_scale"), t.get("w3", "weight_scale")
     for x, n, dt in ((w1, "w1.weight", torch.uint8), (s1, "w1.weight_scale", torch.float8_e4m3fn)):
@@ -184,7 +191,11 @@ def load_moe_layer_mxfp4(
     directly into the kernels' layout (``NVFP4MoEWeights.from_mxfp4``); ``cast_weights`` holds
     the same experts through the closed-form cast, for comparisons."""
     ckpt = Path(ckpt_dir)
-    t = _read_experts(ckpt, layer, experts, ("weight_packed", "weight_scale"), "")
+    return _load_mxfp4(ckpt, _weight_map(ckpt), layer, experts)
+
+
+def _load_mxfp4(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Sequence[int] | None) -> NVFP4MoELayer:
+    t = _read_experts(ckpt, weight_map, layer, experts, ("weight_packed", "weight_scale"), "")
     packed = {w: t.get(w, "weight_packed") for w in ("w1", "w3", "w2")}
     e8m0 = {w: t.get(w, "weight_scale") for w in ("w1", "w3", "w2")}
     for w in packed:

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten ops that allocate without initialising, or only create a view / read metadata.

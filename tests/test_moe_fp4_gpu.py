@@ -10,7 +10,7 @@ import torch
 
 from k3nvfp4.kernels import act_quant as aq
 from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
-from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights, FP4MoEConfig, check_fp4_mode_supported, fused_moe_fp4
+from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights, check_fp4_mode_supported, fused_moe_fp4
 from k3nvfp4.kernels.moe_fp4_reference import fused_moe_fp4_reference
 from k3nvfp4.kernels.testing import random_routing
 

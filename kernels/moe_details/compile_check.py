@@ -81,7 +81,6 @@ def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from . import kernels as K
     from . import routing_kernels as RK
     from .config import MoEConfig
 

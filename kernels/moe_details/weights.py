@@ -156,8 +156,8 @@ class NVFP4MoEWeights:
         m2 = _mxfp4_scale_2_exp(w2_e8m0)
         s13 = layout.pack_e8m0_scale_tiles(w13_e8m0, m13, "w13_e8m0")  # refuses NaN exponents
         s2 = layout.pack_e8m0_scale_tiles(w2_e8m0, m2, "w2_e8m0")
-        _warn_deep_blocks(w13, w13_e8m0, "w13_e8m0")
-        _warn_deep_blocks(w2, w2_e8m0, "w2_e8m0")
+        _warn_deep_blocks(w13, w13_e8m0, m13, "w13_e8m0")
+        _warn_deep_blocks(w2, w2_e8m0, m2, "w2_e8m0")
         return cls(
             w13=layout.pack_e2m1_tiles(w13),
             w13_scale=s13,
@@ -230,11 +230,12 @@ def _same_device(*tensors: torch.Tensor) -> None:
 _BF16_NORMAL_SPAN = 126
 
 
-def _warn_deep_blocks(packed: torch.Tensor, e8m0: torch.Tensor, name: str) -> None:
+def _warn_deep_blocks(packed: torch.Tensor, e8m0: torch.Tensor, scale_2_exp: torch.Tensor, name: str) -> None:
     """Warn about non-zero blocks far below their matrix's largest (all-zero blocks, which
-    MXFP4 quantizers store with E8M0 0, are exact whatever their scale)."""
-    k_max = e8m0.flatten(1).amax(1).to(torch.int16)
-    deep = e8m0.to(torch.int16) < (k_max - _BF16_NORMAL_SPAN).reshape(-1, 1, 1)
+    MXFP4 quantizers store with E8M0 0, are exact whatever their scale). scale_2_exp: the
+    per-expert m of _mxfp4_scale_2_exp, which fixes the largest E8M0 byte."""
+    k_max = scale_2_exp + formats.E4M3_MAX_EXP2 + formats.E8M0_BIAS  # the biased byte, per expert
+    deep = e8m0.to(torch.int64) < (k_max - _BF16_NORMAL_SPAN).reshape(-1, 1, 1)
     if not bool(deep.any()):
         return
     nonzero = (packed.reshape(*e8m0.shape, formats.MXFP4_BLOCK // 2) & 0x77).amax(-1) != 0

@@ -113,23 +113,25 @@ def _digest(weights: Any) -> str:
 
 def _value_digest(weights: Any) -> str:
     """sha256 over the weights' dequantized values (float64, signs of zeros included): equal for
-    two layouts that differ only in the scales of all-zero blocks."""
+    two layouts that differ only in the scales of all-zero blocks. One expert at a time (a whole
+    K3 layer in float64 would be hundreds of GB)."""
     from k3nvfp4.kernels import NVFP4MoEWeights, formats
     from k3nvfp4.kernels.moe_details.layout import dequantize_tiles
 
     H, I = weights.hidden_size, weights.intermediate_size
-    if isinstance(weights, NVFP4MoEWeights):
-        v13 = dequantize_tiles(weights.w13, weights.w13_scale, H).double()
-        v2 = dequantize_tiles(weights.w2, weights.w2_scale, I).double()
-    else:  # FP4MMAWeights (the FP4 tensor-core modes): ModelOpt-layout nibbles and E4M3 scales
-        v13 = formats.dequantize_nvfp4(weights.w13, weights.w13_scale, 1.0).double()
-        v2 = formats.dequantize_nvfp4(weights.w2, weights.w2_scale, 1.0).double()
-    v13[:, :I] *= weights.w13_scale_2[:, 0, None, None].double()
-    v13[:, I:] *= weights.w13_scale_2[:, 1, None, None].double()
-    v2 = v2 * weights.w2_scale_2[:, None, None].double()
+    tiled = isinstance(weights, NVFP4MoEWeights)  # else FP4MMAWeights: ModelOpt-layout nibbles + E4M3 scales
+
+    def values(w: torch.Tensor, scale: torch.Tensor, k: int) -> torch.Tensor:
+        return (dequantize_tiles(w, scale, k) if tiled else formats.dequantize_nvfp4(w, scale, 1.0)).double()
+
     h = hashlib.sha256()
-    for v in (v13, v2):
-        h.update(v.cpu().contiguous().numpy().tobytes())
+    for e in range(weights.num_experts):
+        v13 = values(weights.w13[e], weights.w13_scale[e], H)
+        v13[:I] *= weights.w13_scale_2[e, 0].double()
+        v13[I:] *= weights.w13_scale_2[e, 1].double()
+        v2 = values(weights.w2[e], weights.w2_scale[e], I) * weights.w2_scale_2[e].double()
+        for v in (v13, v2):
+            h.update(v.cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
