@@ -48,6 +48,12 @@ def test_wheel_build_prints_no_project_warning(tmp_path):
               "k3nvfp4/sglang_ext/ab/data/default_prompts.jsonl", "k3nvfp4/checkpoint/synthetic.py"):  # fmt: skip
         assert f in names, f
     assert not any(n.startswith(("kernels/", "checkpoint/", "sglang_ext/", "demo/", "common/")) for n in names)
+    # Every module and data file under the package folders is in the wheel (a subpackage missing
+    # from pyproject's list used to ship a package whose FP4 modes could not be imported).
+    for folder in ("common", "kernels", "checkpoint", "sglang_ext", "demo"):
+        for f in (REPO / folder).rglob("*"):
+            if f.is_file() and f.suffix in (".py", ".json", ".jsonl") and "__pycache__" not in f.parts:
+                assert f"k3nvfp4/{f.relative_to(REPO).as_posix()}" in names, f"{f.relative_to(REPO)} missing from the wheel"
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
 
