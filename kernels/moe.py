@@ -64,6 +64,7 @@ def fused_moe_nvfp4(
     deterministic: bool = False,
     act_quant: str = "none",
     input_scale: float | torch.Tensor | None = None,
+    num_global_experts: int | None = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer.
 
@@ -80,6 +81,9 @@ def fused_moe_nvfp4(
     FP4MMAWeights (prepare once) or NVFP4MoEWeights (converted once, cached); input_scale: the
     static NVFP4 activation scale ("nvfp4" only; None = dynamic per token); ``config`` and
     ``deterministic`` do not apply there (its top-k sum is always in slot order).
+    num_global_experts: the experts topk_ids range over, when this rank holds E of them (expert
+    parallelism; None = E). Only the launch-config choice uses it: ~E / num_global_experts of the
+    pairs are local, and the tiles are sized for those.
     Returns [M, H] in hidden_states' dtype.
     """
     if act_quant != "none":
@@ -107,11 +111,14 @@ def fused_moe_nvfp4(
     k = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate_size
     dtype = hidden_states.dtype
+    if num_global_experts is not None and num_global_experts < E:
+        raise ValueError(f"fused_moe_nvfp4: num_global_experts={num_global_experts} is below the weights' "
+                         f"{E} local experts")
     if M == 0:
         return out if out is not None else torch.empty(0, H, dtype=dtype, device=device)
 
     if config is None:
-        config = get_moe_config(E, H, I, k, M)
+        config = get_moe_config(E, H, I, k, M, num_global_experts=num_global_experts)
     if deterministic and config.atomic_reduce:
         config = dataclasses.replace(config, atomic_reduce=False)
 

@@ -236,7 +236,7 @@ def base_config(space: str, shape: TuneShape, M: int) -> MoEConfig:
             block_m=16, swap_ab=False, block_n1=16, block_k1=32, split_k1=1, num_warps1=4, num_stages1=1,
             block_n2=16, block_k2=32, split_k2=1, num_warps2=4, num_stages2=1, atomic_reduce=False,
         )  # fmt: skip
-    return heuristic_moe_config(shape.E, shape.H, shape.I, shape.top_k, M)
+    return heuristic_moe_config(shape.E, shape.H, shape.I, shape.top_k, M, num_global_experts=shape.global_experts)
 
 
 def stages(space: str) -> list[dict[str, list]]:
@@ -348,12 +348,13 @@ def tune_batch_size(
     max_configs: int | None,
     deadline: float | None,
     progress: bool,
-    spill_check: Callable[[MoEConfig], str | None] | None = None,
+    launch_check: Callable[[MoEConfig], str | None] | None = None,
 ) -> tuple[Candidate | None, list[Candidate], bool]:
     """Staged search for one batch size. Returns (best, all tried, complete).
 
-    spill_check(cfg) -> reason or None: configs it rejects (register spills, see
-    :func:`offline_spill_check`) are recorded with the reason and never run or timed."""
+    launch_check(cfg) -> reason or None: configs it rejects (cannot launch on the device, or
+    spill registers; see :func:`offline_launch_check`) are recorded with the reason and never
+    run or timed."""
     from tqdm.auto import tqdm
 
     from .moe import fused_moe_nvfp4, fused_moe_nvfp4_reference
@@ -384,7 +385,7 @@ def tune_batch_size(
             cand = Candidate(cfg)
             tried.append(cand)
             bar.update(1)
-            reason = spill_check(cfg) if spill_check is not None else None
+            reason = launch_check(cfg) if launch_check is not None else None
             if reason:
                 cand.note = f"skipped: {reason}"
                 continue
@@ -414,31 +415,59 @@ def tune_batch_size(
     return best, tried, complete
 
 
-def offline_spill_check(shape: "TuneShape", device: torch.device) -> Callable[[MoEConfig], str | None]:
-    """A spill_check for tune_batch_size: compiles both GEMMs of a config offline for this GPU's
-    architecture (no launch) and rejects it when either uses local memory (register spills),
-    which no shipped config may do. Cached per GEMM launch (MoEConfig.gemm)."""
-    from . import sass
+def offline_launch_check(shape: "TuneShape", arch: int, device_model=None) -> Callable[[MoEConfig], str | None]:
+    """A launch_check for tune_batch_size: compiles both GEMMs of a config offline for sm<arch>
+    (no launch) and rejects it when either cannot launch on the device (shared memory or
+    registers over its per-block limits, k3nvfp4.kernels.perf_model.occupancy) or uses local
+    memory (register spills), which no shipped config may do. device_model: a perf_model.Device
+    (None: the H200 below arch 100, the B200 from 100). Cached per GEMM launch (MoEConfig.gemm)."""
+    from . import perf_model, sass
     from .moe_details.compile_check import compile_gemm
 
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = 10 * major + minor
-    local_bytes: dict = {}
+    if device_model is None:
+        device_model = perf_model.B200 if arch >= 100 else perf_model.H200
+    verdicts: dict = {}
 
     def check(cfg: MoEConfig) -> str | None:
         for kind in ("gemm1", "gemm2"):
             key = cfg.gemm(kind)
-            if key not in local_bytes:
+            if key not in verdicts:
                 try:
-                    cubin = compile_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch).asm["cubin"]
+                    c = compile_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch)
                 except Exception:  # compile errors are reported by the timed run itself
                     return None
-                local_bytes[key] = max(u.local_bytes for u in sass.resource_usage(cubin).values())
-            if local_bytes[key]:
-                return f"{kind} spills {local_bytes[key]} bytes of local memory per thread (sm_{arch})"
+                usage = sass.resource_usage(c.asm["cubin"])
+                regs = max(u.registers for u in usage.values())
+                local = max(u.local_bytes for u in usage.values())
+                ctas, why = perf_model.occupancy(device_model, regs, 32 * key.num_warps, c.metadata.shared)
+                if not ctas:
+                    verdicts[key] = f"{kind} cannot launch on {device_model.name}: {why}"
+                elif local:
+                    verdicts[key] = f"{kind} spills {local} bytes of local memory per thread (sm_{arch})"
+                else:
+                    verdicts[key] = None
+            if verdicts[key]:
+                return verdicts[key]
         return None
 
     return check
+
+
+def device_model_of(device: torch.device):
+    """perf_model.Device of a CUDA device: the H200/B200 record with this GPU's SM count and
+    shared-memory and register limits (as CUDA reports them)."""
+    import dataclasses
+
+    from . import perf_model
+
+    props = torch.cuda.get_device_properties(device)
+    base = perf_model.B200 if props.major >= 10 else perf_model.H200
+    return dataclasses.replace(
+        base, name=props.name, arch=10 * props.major + props.minor, sms=props.multi_processor_count,
+        shared_per_block=getattr(props, "shared_memory_per_block_optin", base.shared_per_block),
+        shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", base.shared_per_sm),
+        registers_per_sm=getattr(props, "regs_per_multiprocessor", base.registers_per_sm),
+    )
 
 
 def _parse_batch_sizes(text: str) -> list[int]:
@@ -581,7 +610,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if todo:
         weights = problem_weights(shape, device, seed=args.seed)
         timer = Timer(device, warmup, iters)
-        spill_check = offline_spill_check(shape, device) if device.type == "cuda" else None
+        launch_check = None
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            launch_check = offline_launch_check(shape, 10 * major + minor, device_model_of(device))
         from tqdm.auto import tqdm
 
         for M in tqdm(todo, desc="batch sizes", unit="M", disable=args.no_progress, file=sys.stderr):
@@ -591,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             best, tried, complete = tune_batch_size(
                 M, shape, weights, space, timer, device=device, dtype=dtype, activation=args.activation,
                 tol=tol, seed=args.seed, expert_offset=0, max_configs=args.max_configs, deadline=deadline,
-                progress=not args.no_progress, spill_check=spill_check,
+                progress=not args.no_progress, launch_check=launch_check,
             )  # fmt: skip
             for c in tried:
                 if c.note:

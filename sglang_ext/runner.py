@@ -138,6 +138,8 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
             situ_beta=situ.situ_beta,
             situ_linear_beta=situ.situ_linear_beta,
             routed_scaling_factor=routed_scaling_factor_for_runner(runner_config),
+            # Under EP the ids range over all experts: the launch config is sized for the local pairs.
+            num_global_experts=runner_config.num_experts,
             **({} if self.act_quant == "none" else {"act_quant": self.act_quant, "input_scale": quant_info.input_scale}),
         )
         return StandardCombineInput(hidden_states=out)

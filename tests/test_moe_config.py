@@ -59,11 +59,62 @@ def test_config_validation():
 
 
 def test_heuristic_rules():
-    decode = heuristic_moe_config(896, 3584, 192, 16, 1)  # K3 TP16 at batch 1: 16 pairs
+    decode = heuristic_moe_config(896, 3584, 192, 16, 1, arch=90)  # K3 TP16 at batch 1: 16 pairs
     assert decode.block_m == 16 and decode.swap_ab
-    assert decode.split_k1 > 1  # few programs: split over H
-    prefill = heuristic_moe_config(56, 3584, 3072, 16, 16384)  # EP16 prefill: ~4.7k pairs/expert
-    assert prefill.block_m == 128 and not prefill.swap_ab and prefill.split_k1 == 1
+    assert decode.split_k1 > 1  # 16 blocks x 3 column tiles: split over H to put bytes in flight
+    assert 192 % decode.block_n1 == 0  # no padding rows (I = 192)
+    prefill = heuristic_moe_config(56, 3584, 3072, 16, 16384, arch=90, num_global_experts=896)
     assert prefill.atomic_reduce  # fp32 [M*k, H] would be 3.8 GB
-    assert not heuristic_moe_config(896, 3584, 192, 16, 64).atomic_reduce
-    assert heuristic_moe_config(4, 48, 16, 2, 64).block_m == 32
+    assert not heuristic_moe_config(896, 3584, 192, 16, 64, arch=90).atomic_reduce
+    # Small shapes get a config too (the interpreter tests run them).
+    tiny = heuristic_moe_config(4, 48, 16, 2, 64, arch=90)
+    assert tiny.block_m in (16, 32) and tiny.swap_ab
+
+
+def test_heuristic_is_expert_parallel_aware():
+    """Under EP the ids range over all 896 experts and only 56 (EP16) / 28 (EP32) are local: at
+    M = 1 an EP rank expects ~1 local pair, not 16 (so few programs that it splits K to keep
+    bytes in flight), and at M = 256 ~4.6 (EP16) / 2.3 (EP32) pairs per local expert, not 73 /
+    146 (16-token blocks, not 32)."""
+    for E in (56, 28):
+        ep = heuristic_moe_config(E, 3584, 3072, 16, 1, arch=90, num_global_experts=896)
+        blind = heuristic_moe_config(E, 3584, 3072, 16, 1, arch=90)  # as if every pair were local
+        assert ep.split_k1 > 1 and ep.split_k2 > 1, ep
+        assert blind.split_k1 == 1 and blind.split_k2 == 1, blind
+        ep = heuristic_moe_config(E, 3584, 3072, 16, 256, arch=90, num_global_experts=896)
+        blind = heuristic_moe_config(E, 3584, 3072, 16, 256, arch=90)
+        assert ep.block_m == 16 and blind.block_m == 32, (ep, blind)
+    # The same global routing on a full replica (E = E_global) is the TP heuristic.
+    assert heuristic_moe_config(896, 3584, 192, 16, 64, arch=90, num_global_experts=896) == \
+        heuristic_moe_config(896, 3584, 192, 16, 64, arch=90)
+    # get_moe_config hands it through when no tuned file exists.
+    assert get_moe_config(56, 3584, 3072, 16, 1024, "no-such-device", arch=90, num_global_experts=896) == \
+        heuristic_moe_config(56, 3584, 3072, 16, 1024, arch=90, num_global_experts=896)
+
+
+def test_fused_moe_passes_the_global_expert_count(monkeypatch):
+    """fused_moe_nvfp4(num_global_experts=...) reaches the config lookup; a count below the local
+    experts is refused with the argument's name."""
+    import torch
+
+    from k3nvfp4.kernels import moe
+    from k3nvfp4.kernels.testing import random_nvfp4_moe_weights, random_routing
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(E, H, I, k, M, **kw):
+        seen.update(E=E, M=M, **kw)
+        raise Stop
+
+    monkeypatch.setattr(moe, "get_moe_config", fake)
+    w = random_nvfp4_moe_weights(4, 64, 32)
+    tw, ids = random_routing(3, 2, 4, num_global_experts=16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(Stop):
+        moe.fused_moe_nvfp4(x, w, tw, ids, num_global_experts=16)
+    assert seen["num_global_experts"] == 16 and seen["E"] == 4
+    with pytest.raises(ValueError, match="num_global_experts=2"):
+        moe.fused_moe_nvfp4(x, w, tw, ids, num_global_experts=2)

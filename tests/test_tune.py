@@ -175,8 +175,8 @@ def test_candidate_failures_are_skipped_with_a_note(monkeypatch):
     assert notes[32].startswith("wrong result")
 
 
-def test_spilling_configs_are_dropped_before_they_run(monkeypatch):
-    """A config the spill check rejects is recorded with its reason and never run or timed."""
+def test_unlaunchable_configs_are_dropped_before_they_run(monkeypatch):
+    """A config the launch check rejects is recorded with its reason and never run or timed."""
     ran = []
 
     def record(x, weights, tw, ids, *, config=None, out=None, **kw):
@@ -192,7 +192,7 @@ def test_spilling_configs_are_dropped_before_they_run(monkeypatch):
     best, tried, _ = tune.tune_batch_size(
         3, shape, weights, "tiny", tune.Timer(device, 0, 1), device=device, dtype=torch.float32,
         activation="situ", tol=1e-4, seed=0, expert_offset=0, max_configs=None, deadline=None, progress=False,
-        spill_check=spills,
+        launch_check=spills,
     )  # fmt: skip
     by_bn = {c.config.block_n1: c for c in tried}
     assert by_bn[32].note == "skipped: gemm1 spills 64 bytes of local memory per thread (sm_90)"
@@ -200,29 +200,33 @@ def test_spilling_configs_are_dropped_before_they_run(monkeypatch):
     assert best is not None and best.config.block_n1 == 16 and 16 in ran
 
 
-def test_offline_spill_check_measures_real_compiles():
-    """The tuner's spill check compiles offline and reads local memory (checked through
-    compile_gemm + sass for sm90 directly, as offline_spill_check does; no GPU needed)."""
+def test_offline_launch_check_measures_real_compiles():
+    """The tuner's launch check compiles offline for sm90 (no GPU) and rejects a config whose
+    shared memory exceeds the H200's 227 KiB per block (GEMM1 bm128 noswap bn64 bk256 at 3
+    stages: 270,336 B, which Triton would refuse at launch) and one that spills registers, and
+    passes a shipped decode config."""
     import os
     import subprocess
     import sys
 
     code = (
-        "from k3nvfp4.kernels.moe_details.compile_check import compile_gemm;"
+        "from k3nvfp4.kernels.tune import TuneShape, offline_launch_check;"
         "from k3nvfp4.kernels.moe_details.config import MoEConfig;"
-        "from k3nvfp4.kernels import sass;"
-        "ok = MoEConfig(block_m=16, swap_ab=True, block_n1=128, block_k1=256, num_warps1=8);"
-        "bad = MoEConfig(block_m=128, swap_ab=True, block_n1=128, block_k1=256, num_warps1=8);"
-        "f = lambda c: max(u.local_bytes for u in sass.resource_usage(compile_gemm('gemm1', c, 3584, 192, 16, 90).asm['cubin']).values());"
-        "print(f(ok), f(bad))"
+        "check = offline_launch_check(TuneShape(56, 3584, 3072, 16, 896), 90);"
+        "ok = MoEConfig(block_m=16, swap_ab=True, block_n1=64, block_k1=256, num_warps1=4);"
+        "big = MoEConfig(block_m=128, swap_ab=False, block_n1=64, block_k1=256, num_warps1=8, num_stages1=3);"
+        "spill = MoEConfig(block_m=64, swap_ab=True, block_n1=32, block_k1=256, num_warps1=2);"
+        "print(repr(check(ok)));print(check(big));print(check(spill))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip(f"Triton's offline compile is unavailable: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ok, bad = map(int, proc.stdout.split())
-    assert ok == 0 and bad > 0
+    ok, big, spill = proc.stdout.strip().splitlines()
+    assert ok == "None"
+    assert big == "gemm1 cannot launch on H200: shared memory 270336 B > 232448 B per block", big
+    assert spill.startswith("gemm1 spills ") and spill.endswith("bytes of local memory per thread (sm_90)"), spill
 
 
 def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch):

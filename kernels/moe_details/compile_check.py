@@ -76,6 +76,39 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
                           options={"num_warps": g.num_warps, "num_stages": g.num_stages})
 
 
+def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90) -> dict:
+    """Compile one GEMM of a MoEConfig for sm<arch> and measure it statically: the hot K loop's
+    instructions per warp and iteration (k3nvfp4.kernels.sass), registers, spill bytes and the
+    shared memory the launch requests (Triton's metadata.shared: what it checks against the
+    device at launch). Returns a dict with "loop_cost" (perf_model.LoopCost) and the details."""
+    from .. import sass
+    from ..perf_model import LoopCost
+
+    g = config.gemm(kind)
+    c = compile_gemm(kind, config, H, I, top_k, arch)
+    cubin = c.asm["cubin"]
+    funcs = sass.disassemble(cubin)
+    name = next(n for n in funcs if "gemm" in n)
+    ru = sass.resource_usage(cubin)[name]
+    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+    cost = LoopCost(st.instructions, g.num_warps, ru.registers, c.metadata.shared, ru.local_bytes)
+    return {
+        "loop_cost": cost,
+        "instructions_per_iteration": st.instructions,
+        "weights_per_iteration": g.weights_per_iteration,
+        "num_warps": g.num_warps,
+        "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, g.num_warps,
+                                                                  g.weights_per_iteration), 4),
+        "registers": ru.registers,
+        "local_bytes": ru.local_bytes,
+        "shared_bytes": c.metadata.shared,
+        "mma_per_iteration": st.mma,
+        "local_memory_ops_in_loop": st.local_memory_ops,
+        "family_mix": st.family_mix,
+        "opcode_mix": dict(list(st.opcode_mix.items())[:15]),
+    }
+
+
 def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E: int = 896) -> list[dict]:
     _require_compiler()
     import triton

@@ -50,8 +50,6 @@ from dataclasses import dataclass
 
 CONFIG_DIR_ENV = "K3NVFP4_MOE_CONFIG_DIR"
 DEFAULT_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
-# H200: 132 SMs. Used only by the heuristic to decide when the grid is too small.
-_DEFAULT_NUM_SMS = 132
 # A tuned batch size further than this factor from M is not trusted for M.
 _MAX_TUNED_DISTANCE = 4
 # Above this size of the deterministic path's fp32 [split_k2, M*k, H] buffer the heuristic reduces with atomics.
@@ -208,102 +206,106 @@ def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -
     return _load_configs_cached(str(path), st.st_mtime_ns)
 
 
-def _largest_dividing(k: int, options: tuple[int, ...]) -> int:
-    """The largest block in options that divides k (no masked K tail), else the smallest."""
-    for b in sorted(options, reverse=True):
-        if k % b == 0:
-            return b
-    return min(options)
-
-
+@functools.lru_cache(maxsize=4096)
 def heuristic_moe_config(
-    E: int, H: int, I: int, top_k: int, M: int, num_sms: int = _DEFAULT_NUM_SMS, arch: int | None = None
+    E: int, H: int, I: int, top_k: int, M: int, num_sms: int | None = None, arch: int | None = None,
+    num_global_experts: int | None = None,
 ) -> MoEConfig:
-    """Default config when nothing is tuned, chosen from the static SASS report
-    (bench/sass_report.py, sm90): every choice below keeps the hot K loop at <= 0.10
-    warp-instructions per weight for block_m <= 64 (<= 0.12 at 128) and spills nothing.
+    """Default config when nothing is tuned: the fastest under the static performance model
+    (k3nvfp4.kernels.perf_model) of the tile shapes in tile_costs.TILES, measured offline for the
+    architecture, with split-K chosen per GEMM.
 
-    - block_m from the mean tokens per expert (M * top_k / E): 16 up to 16, 32 up to 64, 64 up
-      to 512, else 128. block_m 128 runs the weights as the MMA's B operand (no swap-AB: a
-      [rows, 128 tokens] accumulator pair would spill), which costs more instructions per
-      weight and pays back only with several full 128-token blocks per expert.
-    - swap_ab (weights on the MMA M side, from registers) for block_m <= 64.
-    - GEMM1: block_n1 = 128 (256 weight rows per program: gate + up), block_k1 = 256 for
-      block_m <= 32 (128 at block_m 64: the accumulators need the registers), 8 warps (2
-      warpgroups of 64 weight rows each: no warp decodes a weight twice); at block_m 128,
-      64 x 256 (the larger tiles spill on Triton 3.6).
-    - GEMM2: block_n2 = 256; block_k2 the largest of 256 / 128 / 64 dividing I (no masked
-      tail: K3's TP16 shard has I = 192), capped at 128 for block_m >= 64; 4 warps with
-      block_k2 = 64 at block_m <= 32 (each warp then owns 64 rows, halving the per-iteration
-      overhead; at block_m 64 that would spill), else 8. On Blackwell (arch >= 100: the
-      weights go through shared memory to tcgen05) block_k2 <= 128, where 256 spills, and at
-      block_m 32 with block_k2 128 the GEMM2 tile is 128 x 128 on 4 warps (256 wide spills in
-      the epilogue there). At block_m 128 sm100's GEMM2 keeps 256 x 128 with 48 spilled bytes,
-      outside the K loop (128 wide would cost 26% more instructions per weight).
-    - arch: compute capability x 10 (None: the current device's, 90 without a GPU).
-    - split-K when the expected number of programs (active experts x column tiles) is below
-      2 x num_sms: enough K slices to reach it, capped at 8 and at K / block_k. Split-K adds no
-      launch (the last K slice finishes the tile), so it is allowed at decode sizes.
+    - E: local experts (the weights' leading dimension); num_global_experts: the experts the
+      top-k ids range over (None = E: no expert parallelism). Under EP only ~E / E_global of the
+      (token, slot) pairs are local, so blocks are sized for the local pairs, not M x top_k / E.
+    - arch: compute capability x 10 (None: the current device's, 90 without a GPU); the device
+      model is the H200 below 100 and the B200 from 100, with num_sms overriding its SM count.
+    - Tiles that cannot launch (shared memory, registers) or spill are never chosen; those within
+      the loop budget (perf_model.loop_budget: warp-instructions per useful weight, tile padding
+      and K tails not useful) are preferred where any is. block_m (shared by both GEMMs) is the
+      one whose call is fastest; within 1% of the fastest time the candidate issuing the fewest
+      warp-instructions wins (the model's time is bytes-bound at most M; fewer instructions
+      leave issue slack for what the model does not see).
     - atomic_reduce (fp32 atomics into [M, H], one memset more) only when the deterministic
       path's fp32 [split_k2, M*k, H] buffer would exceed 512 MiB (large prefill batches).
     """
-    pairs = max(M * top_k, 1)
-    per_expert = pairs / max(E, 1)
-    if per_expert <= 16:
-        block_m = 16
-    elif per_expert <= 64:
-        block_m = 32
-    elif per_expert <= 512:
-        block_m = 64
-    else:
-        block_m = 128
-    swap = block_m <= 64
-    active_blocks = min(E, pairs) + pairs // block_m
-    # block_m 128 (no swap-AB): 64 x 256 tiles, the only GEMM1 shape at 128 tokens that spills on
-    # neither Triton 3.6 nor 3.8.
-    block_n1 = 64 if block_m == 128 else 128
-    block_k1 = _largest_dividing(H, (256, 128, 64) if block_m != 64 else (128, 64))
-    block_n2 = 256
+    from ..perf_model import B200, H200, Shard, expected_routing, loop_budget, our_gemm
+    from .tile_costs import TILES, tile_cost
+
     if arch is None:
         arch = current_arch()
-    block_k2 = _largest_dividing(I, (256, 128, 64) if block_m <= 32 and arch < 100 else (128, 64))
-    warps2 = 4 if block_k2 == 64 and block_m <= 32 else 8
-    if arch >= 100 and block_m == 32 and block_k2 == 128:
-        # sm100: 256 x 128 tiles at 32 tokens spill (the top-k epilogue); 128 x 128 on 4 warps
-        # does not and issues fewer instructions per weight (bench/results/sass-sm100.json).
-        block_n2, warps2 = 128, 4
+    device = B200 if arch >= 100 else H200
+    if num_sms is not None:
+        device = dataclasses.replace(device, sms=num_sms)
+    E_global = max(num_global_experts or E, E)
+    shard = Shard("call", E, E_global, H, I, top_k)
+    pairs = max(M * top_k, 1)
+    budget = loop_budget(M)
 
-    def split(k_dim: int, block_k: int, tiles: int) -> int:
-        s = 1
-        while tiles * s < 2 * num_sms and s < 8 and (s * 2) * block_k <= k_dim:
-            s *= 2
-        return s
+    def options(kind: str, block_m: int) -> list:
+        tiles = []
+        for t in TILES:
+            if t.kind != kind or t.block_m != block_m:
+                continue
+            cost = tile_cost(t, arch)
+            if cost is None or cost.local_bytes:
+                continue
+            tiles.append((t, cost))
+        return tiles
 
-    split_k1 = split(H, block_k1, active_blocks * -(-I // block_n1))
-    split_k2 = split(I, block_k2, active_blocks * -(-H // block_n2))
+    def best_gemm(kind: str, block_m: int, routing):
+        K = H if kind == "gemm1" else I
+        scored = []
+        for tile, cost in options(kind, block_m):
+            steps = -(-K // tile.block_k)
+            for split in (1, 2, 4, 8):
+                if split > 1 and -(-steps // split) * (split - 1) >= steps:
+                    break  # a slice would be empty
+                # The reduction is not the model's to choose: atomics only where even one slice's
+                # fp32 rows would not fit, and no split that pushes the rows past the limit.
+                atomic = kind == "gemm2" and pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES
+                if kind == "gemm2" and not atomic and split * pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES:
+                    break
+                launch = GemmLaunch(kind, block_m, tile.swap_ab, tile.block_n, tile.block_k, split,
+                                    tile.num_warps, tile.num_stages, atomic)
+                pred = our_gemm(device, shard, M, launch, cost, routing)
+                if pred.launchable:
+                    scored.append((pred.time_s, pred.warp_instructions, split, launch, pred))
+        if not scored:
+            return None
+        within = [s for s in scored if s[4].warp_instr_per_useful_weight <= budget]
+        scored = within or scored
+        fastest = min(s[0] for s in scored)
+        pick = min((s for s in scored if s[0] <= 1.01 * fastest), key=lambda s: (s[1], s[2]))
+        return (*pick, bool(within))
+
+    calls = []  # (both GEMMs within the budget, time, warp-instructions, launches)
+    for block_m in (16, 32, 64, 128):
+        routing = expected_routing(shard, M, block_m)
+        g1, g2 = best_gemm("gemm1", block_m, routing), best_gemm("gemm2", block_m, routing)
+        if g1 is not None and g2 is not None:
+            calls.append((g1[5] and g2[5], g1[0] + g2[0], g1[1] + g2[1], g1[3], g2[3]))
+    if not calls:
+        raise RuntimeError(f"heuristic_moe_config: no measured tile launches for E={E}, H={H}, I={I} on sm_{arch}")
+    calls = [c for c in calls if c[0]] or calls
+    fastest = min(c[1] for c in calls)
+    _, _, _, l1, l2 = min((c for c in calls if c[1] <= 1.01 * fastest), key=lambda c: c[2])
     return MoEConfig(
-        block_m=block_m,
-        swap_ab=swap,
-        block_n1=block_n1,
-        block_k1=block_k1,
-        split_k1=split_k1,
-        num_warps1=8,
-        num_stages1=3,
-        block_n2=block_n2,
-        block_k2=block_k2,
-        split_k2=split_k2,
-        num_warps2=warps2,
-        num_stages2=3,
-        atomic_reduce=split_k2 * pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES,
+        block_m=l1.block_m, swap_ab=l1.swap_ab,
+        block_n1=l1.block_n, block_k1=l1.block_k, split_k1=l1.split_k, num_warps1=l1.num_warps,
+        num_stages1=l1.num_stages,
+        block_n2=l2.block_n, block_k2=l2.block_k, split_k2=l2.split_k, num_warps2=l2.num_warps,
+        num_stages2=l2.num_stages, atomic_reduce=l2.atomic_reduce,
     )
 
 
 def get_moe_config(
     E: int, H: int, I: int, top_k: int, M: int, device_name: str | None = None, directory=None,
-    arch: int | None = None,
+    arch: int | None = None, num_global_experts: int | None = None,
 ) -> MoEConfig:
     """Config for one call: the tuned config of the nearest batch size when a file exists for
-    (E, H, I, device), else :func:`heuristic_moe_config` (for ``arch``, None = this device's)."""
+    (E, H, I, device), else :func:`heuristic_moe_config` (for ``arch``, None = this device's;
+    num_global_experts: the experts top-k ids range over, None = E)."""
     if device_name is None:
         device_name = current_device_name()
     tuned = load_moe_configs(E, H, I, device_name, directory)
@@ -313,4 +315,4 @@ def get_moe_config(
         nearest = min(tuned, key=lambda t: (abs(math.log2(max(t, 1) / m)), t))
         if max(nearest, m) <= _MAX_TUNED_DISTANCE * min(max(nearest, 1), m):
             return tuned[nearest]
-    return heuristic_moe_config(E, H, I, top_k, M, arch=arch)
+    return heuristic_moe_config(E, H, I, top_k, M, arch=arch, num_global_experts=num_global_experts)

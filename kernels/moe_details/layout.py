@@ -40,6 +40,7 @@ TILE_ROWS = 16
 TILE_K = 64
 TILE_BYTES = TILE_ROWS * TILE_K // 2  # 512
 TILE_SCALES = TILE_ROWS * TILE_K // formats.NVFP4_BLOCK  # 64
+SCALE_BYTES = 2  # one bf16 per block scale (the static model counts the layout's bytes from these)
 # bf16 bits of a bit-placed E2M1 code read as value x 2^-E2M1_BF16_EXP_OFFSET.
 E2M1_BF16_EXP_OFFSET = 126
 # Dequantized bf16 weights carry 2^-ACC_SHIFT; the kernels undo it on the fp32 accumulator.

@@ -1,0 +1,81 @@
+"""The static performance model on hand-computed cases: occupancy limits, routing expectations
+under expert parallelism, and one kernel's predicted time term by term."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from k3nvfp4.kernels import perf_model as pm
+
+TOY = pm.Device("toy", 90, sms=2, clock_hz=1e9, hbm_bytes_per_s=2e12, hbm_copy_bytes_per_s=1e12, mma_bf16_flops=1e15)
+A = pm.Assumptions(hbm_latency_s=1e-6, l2_round_trip_s=0.5e-6, launch_s=1e-6, mma_efficiency=1.0)
+
+
+def test_occupancy_limits():
+    # 238 registers x 256 threads: 240 x 32 = 7680 per warp x 8 warps = 61440 of 65536 -> 1 CTA
+    assert pm.occupancy(pm.H200, 238, 256, 106496) == (1, "registers")
+    # 234 registers x 128 threads: 2 CTAs (the TP16 GEMM1 of the issue: 2 per SM at 4 warps)
+    assert pm.occupancy(pm.H200, 234, 128, 65536) == (2, "registers")
+    assert pm.occupancy(pm.H200, 96, 64, 36864) == (6, "shared memory")  # 233472 // (36864 + 1024)
+    ctas, why = pm.occupancy(pm.H200, 211, 256, 270336)  # GEMM1 bm128 noswap bn64 bk256 s3
+    assert ctas == 0 and why == "shared memory 270336 B > 232448 B per block"
+    assert pm.occupancy(pm.H200, 256, 128, 0)[0] == 0  # over 255 registers per thread
+
+
+def test_expected_routing_hand_computed():
+    shard = pm.Shard("toy", local_experts=2, global_experts=4, hidden=16, intermediate=16, top_k=2)
+    # p = 2/4 per expert; X ~ Binomial(2, 1/2): P = 1/4, 1/2, 1/4 for 0, 1, 2 tokens
+    r1 = pm.expected_routing(shard, 2, 1)
+    assert r1.local_pairs == pytest.approx(2.0)  # 2 tokens x 2 slots x 2/4 local
+    assert r1.active_experts == pytest.approx(2 * 0.75)
+    assert r1.blocks == pytest.approx(2 * 1.0)  # E[X] per expert with block 1
+    assert pm.expected_routing(shard, 2, 2).blocks == pytest.approx(2 * 0.75)  # E[ceil(X / 2)]
+    # K3 EP16 at M = 1024: 56 of 896 experts -> 1024 local pairs, ~18.3 per local expert
+    ep16 = pm.expected_routing(pm.K3_SHARDS["ep16"], 1024, 32)
+    assert ep16.local_pairs == pytest.approx(1024 * 16 * 56 / 896)
+    assert 56 * 0.99 < ep16.active_experts <= 56
+    assert 56 <= ep16.blocks < 56 * 1.2  # ceil(18 / 32) is 1 for almost every expert
+
+
+def test_predict_kernel_hand_computed():
+    cost = pm.LoopCost(instructions_per_iteration=100, num_warps=4, registers=128, shared_bytes=32768)
+    k = pm.predict_kernel(
+        TOY, name="toy", config="c", cost=cost, programs_launched=10, programs_active=8, iterations_per_program=10,
+        iterations_total=80, weights_per_iteration=1000, useful_weights=64000, useful_passes=64000,
+        weight_bytes=40000, other_bytes=0, stage_bytes=500, stages=3, mma_flops=0, dependent_round_trips=2,
+        assumptions=A,
+    )  # fmt: skip
+    # registers: 128 x 32 = 4096 per warp, 4 warps -> 65536 / 16384 = 4 CTAs per SM (shared: 6)
+    assert (k.ctas_per_sm, k.occupancy_limit) == (4, "registers")
+    assert k.waves == pytest.approx(1.0) and k.tail == 0
+    assert k.warp_instructions == 80 * 100 * 4 and k.warp_instr_per_useful_weight == pytest.approx(0.5)
+    # issue: 4 programs on the busiest SM x 4000 warp-instr / 4 schedulers / 1 GHz = 4 us
+    assert k.t_issue == pytest.approx(4e-6)
+    # bytes: 8 resident CTAs x 2 stages x 500 B in flight / 1 us = 8 GB/s -> 40 kB in 5 us
+    assert k.bytes_in_flight_per_sm == 4 * 1000
+    assert k.t_bytes == pytest.approx(5e-6)
+    assert k.bound == "bytes" and k.t_exposed_latency == pytest.approx(2e-6)  # 1 us + 2 x 0.5 us
+    assert k.time_s == pytest.approx(1e-6 + 2e-6 + 5e-6)
+    assert k.bytes_per_useful_weight == pytest.approx(40000 / 64000)
+    assert k.bytes_in_flight_needed_per_sm == pytest.approx(1e12 * 1e-6 / 2)
+
+
+def test_our_gemm_counts_padding_as_processed_not_useful():
+    """K3 TP16 GEMM1 with 128-wide column tiles computes 256 gate + 256 up rows for I = 192: a
+    quarter of the loop's weights are padding; 64-wide tiles have none."""
+    from k3nvfp4.kernels.moe_details.config import MoEConfig
+
+    shard = pm.K3_SHARDS["tp16"]
+    routing = pm.expected_routing(shard, 1, 16)
+    cost = pm.LoopCost(683, 8, 237, 106496)
+    wide = pm.our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=128, block_k1=256, num_warps1=8).gemm("gemm1"),
+                       cost, routing)
+    exact = pm.our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=64, block_k1=256, num_warps1=8).gemm("gemm1"),
+                        pm.LoopCost(683 / 2, 8, 237, 65536), routing)
+    per_weight = 683 * 8 / (256 * 256)  # 0.0834 per processed weight
+    assert wide.warp_instr_per_useful_weight == pytest.approx(per_weight * 256 / 192)
+    assert exact.warp_instr_per_useful_weight == pytest.approx(per_weight)
+    assert wide.useful_weights == exact.useful_weights == pytest.approx(16 * 2 * 192 * 3584)
+    assert math.isclose(wide.bytes_per_useful_weight, 0.625) and math.isclose(exact.bytes_per_useful_weight, 0.625)
