@@ -142,17 +142,13 @@ if os.path.exists(ml):
                              "arch": key.get("arch"), "sglang": key.get("sglang_version"),
                              "cuda_driver": lib.get("cuda_driver"), "cuda_runtime": lib.get("cuda_runtime"),
                              "size_bytes": lib.get("linkage", {}).get("size_bytes"), "failures": lib.get("failures")}
-# static issue-bound ceiling (sass_report, same configs) beside the measured bandwidth
-sass_path = os.path.join(out, "sass-sm90.json")
-if os.path.exists(sass_path):
-    rows = json.load(open(sass_path)).get("rows", [])
-    ceil = {}
-    for r in rows:
-        if "hbm_ceiling_pct" in r:
-            key = (r["shape"], r["M"])
-            ceil[key] = min(ceil.get(key, 1e9), r["hbm_ceiling_pct"])
+# the static model's predicted time (sass_report, same configs) beside the measured one
+model_path = os.path.join(out, "perf-model.json")
+if os.path.exists(model_path):
+    pred = {(r["shard"], r["M"]): r.get("time_us") for r in json.load(open(model_path)).get("rows", [])
+            if r.get("device") == "H200"}
     for h in head:
-        h["static_ceiling_pct"] = ceil.get((h["shape"], h["M"]))
+        h["predicted_us"] = pred.get((h["shape"], h["M"]))
 summary["bench"] = head
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print("\n==== gpu_check summary (" + status + f", {elapsed}s) ====")
@@ -162,7 +158,7 @@ for k, v in summary["tests"].items():
     print(f"pytest {k}: {v}")
 for h in head:
     print(f"{h['shape']:<5} M={h['M']:>6} {h['us']:>9} us {h['pct_bw']:>5}% bw {h['TFLOPs']:>6} TFLOP/s x{h['x_bf16']} vs bf16"
-          + (f" (static ceiling {h['static_ceiling_pct']}%)" if h.get("static_ceiling_pct") else "")
+          + (f" (model predicts {h['predicted_us']} us)" if h.get("predicted_us") else "")
           + (f" | marlin {h['marlin_us']} us, x{h['x_marlin']}" if h.get("x_marlin") is not None else "")
           + (f"  ERROR {h['error']}" if h["error"] else ""))
 for t in summary.get("targets", []):
@@ -214,7 +210,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,c
 TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --E 896 --H 3584 --I 192 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_tp16.json --no-progress"
 TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --E 56 --global-experts 896 --H 3584 --I 3072 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
 BENCH="$PY bench/bench_moe.py --out-dir $OUT --time-budget $((T_BENCH - 40))"
-SASS="$PY -P bench/sass_report.py --no-peers --out $OUT/sass-sm90.json"
+SASS="$PY -P bench/sass_report.py --devices H200 --shards tp16,ep16 --no-peers --out $OUT/perf-model.json"
 GRAPH="$PY bench/bench_graph.py --out $OUT/graph.json"
 # The GPU machine has no sglang / nvcc: the library is only checked there (built on the CPU machine).
 MARLIN_LIB="$PY -P bench/peers/marlin/selfcheck.py --json $OUT/marlin-lib.json"
@@ -229,7 +225,7 @@ if [ "$REHEARSAL" = 1 ]; then
     TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --device cpu --E 4 --H 48 --I 32 --top-k 2 --batch-sizes 1,3 --space tiny --iters 1 --out-dir $WORK/configs --report $WORK/reports/tune_tp16.json --no-progress"
     TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --device cpu --E 4 --global-experts 16 --H 48 --I 32 --top-k 4 --batch-sizes 2 --space tiny --iters 1 --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
     BENCH="$PY bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --m-list 1,8 --quick --out-dir $OUT"
-    SASS="$PY -P bench/sass_report.py --no-peers --shapes tp16 --m-list 1 --out $OUT/sass-sm90.json"
+    SASS="$PY -P bench/sass_report.py --devices H200 --no-peers --shards tp16 --m-list 1 --out $OUT/perf-model.json"
     GRAPH="$PY bench/bench_graph.py --cpu-rehearsal --m-list 1,8 --out $OUT/graph.json"
     # build (cached by source hash: ~3-4 min on 2 cores the first time, seconds after), then the same checks
     MARLIN_LIB="$PY -P bench/peers/marlin/build.py --check --json $OUT/marlin-lib.json"

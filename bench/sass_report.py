@@ -1,35 +1,33 @@
 #!/usr/bin/env python3
-"""Static SASS report of the fused NVFP4 MoE GEMMs, side by side with SGLang's marlin MoE.
+"""The static performance report: every shipped launch config compiled offline, checked for
+launchability, and put through the static performance model (k3nvfp4.kernels.perf_model) next to
+SGLang's marlin MoE and FlashInfer's SM90 W4A16 MoE. No GPU needed.
 
-No GPU needed. For the Kimi-K3 TP16 and EP16 shards and every M of the list, take the launch
-config that ``get_moe_config`` returns on an H200 (tuned file for "NVIDIA_H200" if one is
-committed, else the heuristic), compile GEMM1 and GEMM2 offline for the target (Triton ->
-cubin with its bundled ptxas), disassemble with Triton's cuobjdump, find the hot K loop (the
-backward branch around the MMAs) and report, per warp and iteration:
+For each device (H200: sm_90, K3 TP8/TP16/TP32/EP8/EP16/EP32; B200: sm_100, TP8/TP16, the model
+card's deployment) and each M, take the config ``get_moe_config`` returns there (tuned file for the
+device if committed, else the heuristic, with the shard's global expert count), compile GEMM1 and
+GEMM2 for the architecture (Triton -> cubin, bundled ptxas), read registers, spills and shared
+memory, count the hot K loop (Triton's cuobjdump), and predict the call: launchable, CTAs per SM,
+grid and waves (EP-aware), bytes and warp-instructions per useful weight, bytes in flight, launches,
+time per call. Marlin (built by nvcc from SGLang's shipped sources, its grid from SGLang's host
+heuristic replayed) and FlashInfer (one decode tile built from its JIT sources) go through the same
+model on the H200; the marlin model is checked against published H200 timings.
 
-  instructions, weight elements consumed by the whole CTA, warps,
-  warp-instructions per weight element = instructions x warps / weights,
-  issue-bound ceiling = 0.109 / that, as % of the H200's HBM bandwidth (>100%: not issue bound),
-  registers, local-memory (spill) bytes, MMA count and the opcode mix.
+  python -P bench/sass_report.py                             # everything (~5 min, + peer builds once)
+  python -P bench/sass_report.py --write-readme              # also the table in bench/README.md
+  python -P bench/sass_report.py --devices H200 --shards tp16 --m-list 1 --no-peers --out /tmp/r.json
+  python -P bench/sass_report.py --baseline 25a9584 --out bench/results/perf-model-before.json
 
-The budget at HBM speed is ~0.109 (k3nvfp4.kernels.sass.HBM_BUDGET); the targets are <= 0.10
-for M <= 1024 and <= 0.12 above, with zero spill. SGLang's marlin MoE (NVFP4, moe_block 8 and
-64), compiled by nvcc from the CUDA sources sglang ships, is measured in the same run
-(bench/peers/marlin_sass.py). Compiles are cached in-process; a full run takes a few minutes on
-2 cores.
-
-  python -P bench/sass_report.py                         # sm90, both shapes, all M, marlin
-  python -P bench/sass_report.py --arch 90,100 --write-readme
-  python -P bench/sass_report.py --shapes tp16 --m-list 1 --no-peers --out /tmp/s.json
-
-Writes bench/results/sass-sm<arch>.json (one file per arch) and prints a Markdown table;
---write-readme replaces the table between the markers in bench/README.md.
+Writes bench/results/perf-model.json and prints Markdown. Exit 1 when a config of ours cannot
+launch, spills, or misses the loop budget (perf_model.loop_budget) outside the known exceptions
+listed in KNOWN_MISSES.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -39,93 +37,174 @@ import traceback
 from k3nvfp4.common.files import write_json_atomic, write_text_atomic
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SHAPES = {  # name: (local experts, H, I, top_k), FACTS.md
-    "tp16": (896, 3584, 192, 16),
-    "ep16": (56, 3584, 3072, 16),
-}
 DEFAULT_M = (1, 4, 16, 64, 256, 1024, 4096, 16384)
-DEVICE_NAME = "NVIDIA_H200"  # tuned-config lookup as on the H200
+DEVICE_SHARDS = {"H200": ("tp8", "tp16", "tp32", "ep8", "ep16", "ep32"), "B200": ("tp8", "tp16")}
+DEVICE_NAMES = {"H200": "NVIDIA_H200", "B200": "NVIDIA_B200"}  # tuned-config lookup
 README_BEGIN = "<!-- sass-report:begin -->"
 README_END = "<!-- sass-report:end -->"
+# (device, shard, kernel, M range) whose loop misses the budget, and why. Asserted, not hidden:
+# tests/test_launch_configs.py holds each to the bound given here.
+KNOWN_MISSES = {
+    ("H200", "tp32", "gemm2"): (0.12, "K = I = 96 is 1.5 of the layout's 64-wide K tiles: the best tile processes "
+                                      "128 K for 96 (a 32-wide half-tile costs more per weight)"),
+    ("B200", "tp32", "gemm2"): (0.12, "as on the H200"),
+}
 
 
-def target_for(M: int) -> float:
-    """The issue's budget: <= 0.10 warp-instructions per weight at M <= 1024, <= 0.12 above."""
-    return 0.10 if M <= 1024 else 0.12
+def known_miss_bound(device: str, shard: str, kind: str) -> float | None:
+    v = KNOWN_MISSES.get((device, shard, kind))
+    return None if v is None else v[0]
 
 
-def measure_kernel(key, cfg, H: int, I: int, top_k: int, arch: int) -> dict:
-    """Compile one GEMM (key = cfg.gemm(kind), a GemmLaunch) and measure its hot loop."""
-    from k3nvfp4.kernels import sass
-    from k3nvfp4.kernels.moe_details.compile_check import compile_gemm
+def _versions() -> dict:
+    import torch
+    import triton
 
-    c = compile_gemm(key.kind, cfg, H, I, top_k, arch)
-    cubin = c.asm["cubin"]
-    funcs = sass.disassemble(cubin)
-    usage = sass.resource_usage(cubin)
-    name = next(n for n in funcs if "gemm" in n)
-    loop = sass.hot_loop(funcs[name])
-    st = sass.loop_stats(loop)
-    per_w = sass.warp_instr_per_weight(st.instructions, key.num_warps, key.weights_per_iteration)
-    ru = usage[name]
-    return {
-        "instructions_per_iteration": st.instructions,
-        "weights_per_iteration": key.weights_per_iteration,
-        "num_warps": key.num_warps,
-        "warp_instr_per_weight": round(per_w, 4),
-        "hbm_ceiling_pct": round(100 * sass.hbm_ceiling(per_w), 1),
-        "registers": ru.registers,
-        "local_bytes": ru.local_bytes,
-        "shared_bytes": c.metadata.shared,
-        "mma_per_iteration": st.mma,
-        "local_memory_ops_in_loop": st.local_memory_ops,
-        "family_mix": st.family_mix,
-        "opcode_mix": dict(list(st.opcode_mix.items())[:15]),
-    }
+    out = {"triton": triton.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
+    try:
+        nv = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=60).stdout
+        out["nvcc"] = nv.strip().splitlines()[-1] if nv else None
+    except OSError:
+        out["nvcc"] = None
+    for pkg in ("sglang", "flashinfer-python"):
+        try:
+            from importlib.metadata import version
+
+            out[pkg] = version(pkg)
+        except Exception:
+            out[pkg] = None
+    return out
 
 
-def our_rows(arch: int, shapes: list[str], m_list: list[int]) -> tuple[list[dict], list[str]]:
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=60)
+        return proc.stdout if proc.returncode == 0 else None
+    except OSError:
+        return None
+
+
+def baseline_heuristic(rev: str):
+    """heuristic_moe_config of the config module at a git revision (for before/after tables)."""
+    text = _git("show", f"{rev}:kernels/moe_details/config.py")
+    if text is None:
+        raise SystemExit(f"--baseline: cannot read kernels/moe_details/config.py at {rev!r}")
+    name = "k3nvfp4.kernels.moe_details._baseline_config"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "k3nvfp4.kernels.moe_details"
+    mod.__file__ = str(REPO / "kernels" / "moe_details" / f"_baseline_{rev}.py")
+    sys.modules[name] = mod
+    exec(compile(text, f"{rev}:kernels/moe_details/config.py", "exec"), mod.__dict__)
+    return mod.heuristic_moe_config
+
+
+class Statics:
+    """Offline compiles of our GEMMs, cached per (GEMM launch, arch)."""
+
+    def __init__(self):
+        self.cache: dict = {}
+        self.errors: list[str] = []
+
+    def get(self, kind: str, cfg, shard, arch: int) -> dict:
+        from k3nvfp4.kernels.moe_details.compile_check import measure_gemm
+
+        key = (cfg.gemm(kind), arch, (shard.hidden % cfg.block_k1 == 0, shard.intermediate % cfg.block_k2 == 0))
+        if key not in self.cache:
+            try:
+                self.cache[key] = measure_gemm(kind, cfg, shard.hidden, shard.intermediate, shard.top_k, arch)
+            except Exception as e:  # reported in the row, not hidden
+                self.cache[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                self.errors.append(f"sm_{arch} {kind} {cfg.gemm(kind).label()}: {e}")
+        return self.cache[key]
+
+
+def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=None) -> list[dict]:
+    from k3nvfp4.kernels import perf_model as pm
     from k3nvfp4.kernels.moe_details.config import get_moe_config
 
-    cache: dict = {}
-    rows, errors = [], []
-    for shape in shapes:
-        E, H, I, k = SHAPES[shape]
+    device = pm.DEVICES[device_name]
+    rows = []
+    for sname in shard_names:
+        shard = pm.K3_SHARDS[sname]
         for M in m_list:
-            cfg = get_moe_config(E, H, I, k, M, device_name=DEVICE_NAME if arch == 90 else f"sm_{arch}", arch=arch)
-            for kind in ("gemm1", "gemm2"):
-                key = cfg.gemm(kind)
-                ck = (key, H, I)
-                if ck not in cache:
-                    try:
-                        cache[ck] = measure_kernel(key, cfg, H, I, k, arch)
-                    except Exception as e:  # reported, not hidden: the row says why
-                        cache[ck] = {"error": f"{type(e).__name__}: {e}"}
-                        errors.append(f"{shape} M={M} {kind} {key.label()}: {e}")
-                m = cache[ck]
-                K = H if kind == "gemm1" else I
-                steps = -(-K // key.block_k)
-                row = {"kernel": f"k3nvfp4 {kind}", "shape": shape, "M": M, "config": key.label(),
-                       "arch": f"sm_{arch}", "target": target_for(M),
-                       # share of the K loop's weight elements past K (masked tail), 0 when block_k | K
-                       "k_tail_waste": round(1 - K / (steps * key.block_k), 4), **m}
-                if "error" not in m and arch == 90:  # the budget is the H200's
-                    effective = m["warp_instr_per_weight"] / (1 - row["k_tail_waste"])
-                    row["meets_target"] = effective <= row["target"] and m["local_bytes"] == 0
+            args = (shard.local_experts, shard.hidden, shard.intermediate, shard.top_k, M)
+            if heuristic is None:
+                cfg = get_moe_config(*args, device_name=DEVICE_NAMES[device_name], arch=device.arch,
+                                     num_global_experts=shard.global_experts)
+            else:
+                cfg = heuristic(*args, arch=device.arch)
+            measured = {kind: statics.get(kind, cfg, shard, device.arch) for kind in ("gemm1", "gemm2")}
+            row = {"implementation": "k3nvfp4", "device": device_name, "arch": device.sm_tag, "shard": sname, "M": M,
+                   "config": cfg.to_dict()}
+            if any("error" in m for m in measured.values()):
+                row["error"] = "; ".join(m["error"] for m in measured.values() if "error" in m)
                 rows.append(row)
-    return rows, errors
+                continue
+            pred = pm.our_call(device, shard, M, cfg, {k: m["loop_cost"] for k, m in measured.items()})
+            row.update(pred.to_dict())
+            budget = pm.loop_budget(M)
+            for k, kern in zip(("gemm1", "gemm2"), row["kernels"]):
+                m = measured[k]
+                kern.update({key: m[key] for key in ("instructions_per_iteration", "weights_per_iteration", "num_warps",
+                                                     "warp_instr_per_weight", "mma_per_iteration",
+                                                     "local_memory_ops_in_loop", "family_mix", "opcode_mix")})
+                bound = known_miss_bound(device_name, sname, k) or budget
+                kern["budget"] = budget
+                kern["meets_budget"] = kern["warp_instr_per_useful_weight"] <= budget
+                kern["ok"] = (kern["launchable"] and kern["local_bytes"] == 0
+                              and kern["warp_instr_per_useful_weight"] <= bound)
+            row["ok"] = all(k["ok"] for k in row["kernels"])
+            rows.append(row)
+    return rows
 
 
-def peer_rows(arch: int) -> tuple[list[dict], list[str]]:
-    if arch != 90:
-        return [], []
+def marlin_section(m_list) -> dict:
+    """Marlin under the model (H200), and the model's error against published timings."""
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        from peers.marlin_sass import marlin_rows
+        from peers.marlin_model import marlin_call, validation
+        from peers.marlin_sass import marlin_statics
 
-        return marlin_rows(arch=arch, build_dir=str(REPO / "build" / "peers" / "marlin")), []
+        statics = marlin_statics(90, str(REPO / "build" / "peers" / "marlin"))
     except Exception as e:
-        return [], [f"marlin: not available: {type(e).__name__}: {e}"]
+        return {"available": False, "reason": f"{type(e).__name__}: {e}", "rows": [], "validation": []}
+    from k3nvfp4.kernels import perf_model as pm
+
+    rows = []
+    for sname in DEVICE_SHARDS["H200"]:
+        for M in m_list:
+            try:
+                rows.append(marlin_call(pm.H200, statics, pm.K3_SHARDS[sname], M).to_dict())
+            except RuntimeError as e:
+                rows.append({"implementation": "marlin", "device": "H200", "shard": sname, "M": M,
+                             "error": f"not modelled: {e}"})
+    return {"available": True, "sglang": statics.src.version, "nvcc": statics.nvcc[1], "rows": rows,
+            "validation": validation(statics)}
+
+
+def flashinfer_section(m_list) -> dict:
+    """FlashInfer's SM90 CUTLASS W4A16 MoE (MXFP4 x bf16) under the model (H200, I % 128 == 0)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from peers.flashinfer_model import flashinfer_call
+        from peers.flashinfer_sass import flashinfer_rows
+
+        statics = flashinfer_rows(90, str(REPO / "build" / "peers" / "flashinfer"))
+    except Exception as e:
+        return {"available": False, "reason": f"{type(e).__name__}: {e}", "rows": []}
+    from k3nvfp4.kernels import perf_model as pm
+
+    rows = []
+    for sname in DEVICE_SHARDS["H200"]:
+        for M in m_list:
+            try:
+                rows.append(flashinfer_call(pm.H200, statics, pm.K3_SHARDS[sname], M).to_dict())
+            except RuntimeError as e:
+                rows.append({"implementation": "flashinfer", "device": "H200", "shard": sname, "M": M,
+                             "error": f"not runnable: {e}"})
+    return {"available": True, "statics": [{k: v for k, v in r.items() if k not in ("opcode_mix",)} for r in statics],
+            "rows": rows}
 
 
 def fp4_mode_rows(arch: int) -> list[dict]:
@@ -141,69 +220,63 @@ def fp4_mode_rows(arch: int) -> list[dict]:
     return rows
 
 
-def _versions() -> dict:
-    import torch
-    import triton
-
-    out = {"triton": triton.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
-    try:
-        nv = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=60).stdout
-        out["nvcc"] = nv.strip().splitlines()[-1] if nv else None
-    except OSError:
-        out["nvcc"] = None
-    try:
-        from importlib.metadata import version
-
-        out["sglang"] = version("sglang")
-    except Exception:
-        out["sglang"] = None
-    return out
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=30).stdout.strip() or None
-    except OSError:
-        return None
+def _kern(r: dict, i: int) -> dict:
+    return r["kernels"][i] if "kernels" in r and len(r["kernels"]) > i else {}
 
 
 def markdown(result: dict) -> str:
-    arch = result["arch"]
+    from k3nvfp4.kernels import perf_model as pm
+
+    a = result["assumptions"]
     lines = [
-        f"Static SASS of the hot K loop, {arch}, {result['versions']['triton']} Triton, "
-        f"{result['date']} (`python -P bench/sass_report.py --arch {arch[3:]}`). Budget at H200 HBM speed: "
-        f"{result['hbm_budget']:.3f} warp-instructions per weight; target <= 0.10 (M <= 1024), <= 0.12 above.",
+        f"Static performance model, {result['date']}, Triton {result['versions']['triton']}, "
+        f"`python -P bench/sass_report.py`. Per GEMM: config, CTAs per SM (limit), waves, warp-instructions per "
+        f"useful weight (budget {pm.loop_budget(1):.2f} to M = 1024, {pm.loop_budget(4096):.2f} above), "
+        f"bound. Per call: launches, bytes per useful weight, predicted time. Assumptions: HBM latency "
+        f"{a['hbm_latency_s'] * 1e9:.0f} ns, L2 round trip {a['l2_round_trip_s'] * 1e9:.0f} ns, "
+        f"{a['launch_s'] * 1e6:.1f} us per launch (`k3nvfp4.kernels.perf_model.Assumptions`).",
         "",
-        "| kernel | shape | M | config | SASS/warp/iter | weights/iter | warps | warp-instr/weight | ceiling (% HBM) | regs | spill B | meets target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| device | shard | M | GEMM1 | CTAs/SM | waves | instr/useful w | GEMM2 | CTAs/SM | waves | instr/useful w "
+        "| launches | B/useful w | predicted us | marlin us | FlashInfer us | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    peers = {}
+    for sec in ("marlin", "flashinfer"):
+        for r in result[sec]["rows"]:
+            peers[(sec, r["device"], r["shard"], r["M"])] = r
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['shape']} | {r['M']} | {r['config']} | error: {r['error'][:80]} |||||||")
+            lines.append(f"| {r['device']} | {r['shard']} | {r['M']} | error: {r['error'][:100]} |" + " |" * 13)
             continue
-        lines.append(
-            f"| {r['kernel']} | {r['shape']} | {r['M']} | {r['config']} | {r['instructions_per_iteration']} | "
-            f"{r['weights_per_iteration']} | {r['num_warps']} | {r['warp_instr_per_weight']:.3f} | "
-            f"{r['hbm_ceiling_pct']:.0f} | {r['registers']} | {r['local_bytes']} | "
-            f"{'n/a' if 'meets_target' not in r else 'yes' if r['meets_target'] else 'NO'} |")
-    for r in result["peers"]:
-        tp = r.get("template_params", {})
-        cfg = f"threads {tp.get('threads')}, n/k blocks {tp.get('thread_n_blocks')}/{tp.get('thread_k_blocks')}, stages {tp.get('stages')}"
-        lines.append(
-            f"| {r['kernel']} | {str(r.get('shard', '-')).lower()} | {r.get('regime', '-')} | {cfg} | "
-            f"{r['instructions_per_iteration']} | {r['weights_per_iteration']} | {r['num_warps']} | "
-            f"{r['warp_instr_per_weight']:.3f} | {r['hbm_ceiling_pct']:.0f} | {r['registers']} | "
-            f"{r['local_bytes']} | (peer) |")
-    if result["peers"]:
-        lines += ["", "marlin (SGLang " + str(result["peers"][0].get("sglang_version")) + ", nvcc "
-                  + str(result["peers"][0].get("nvcc_version")) + ", sm_90a): one pass of its SASS K loop is the "
-                  "runtime stage-group loop with the 4-stage pipe loop unrolled inside = 4 K tiles of 64 x 128 N "
-                  "weights of one expert = 32768 weights per 4-warp block (checked against the loop's HMMA count; "
-                  "bench/peers/marlin_sass.py)."]
+        g1, g2 = _kern(r, 0), _kern(r, 1)
+        cells = [r["device"], r["shard"], str(r["M"])]
+        for g in (g1, g2):
+            cells += [g["config"].replace(" s3", "").replace(" sk1", ""), f"{g['ctas_per_sm']} ({g['occupancy_limit']})",
+                      f"{g['waves']:.2f}", f"{g['warp_instr_per_useful_weight']:.3f} ({g['bound']})"]
+        mp = peers.get(("marlin", r["device"], r["shard"], r["M"]))
+        fp = peers.get(("flashinfer", r["device"], r["shard"], r["M"]))
+        cells += [str(r["launches"]), f"{r['bytes_per_useful_weight']:.3f}", f"{r['time_us']:.1f}",
+                  "-" if not mp else ("n/a" if "error" in mp else f"{mp['time_us']:.1f}"),
+                  "-" if not fp else ("n/a" if "error" in fp else f"{fp['time_us']:.1f}"),
+                  "yes" if r["ok"] else "NO"]
+        lines.append("| " + " | ".join(cells) + " |")
+    v = result["marlin"].get("validation") or []
+    if v:
+        lines += ["", "Marlin under the model against published H200 timings (K3 TP16, SGLang 0.5.14, SiLU; "
+                  "ai-dynamo aiconfigurator):", "", "| M | published us | model us | model / published |",
+                  "|---|---|---|---|"]
+        for p in v:
+            pub = p["published_us"]
+            lines.append(f"| {p['M']} | {pub[0] if pub[0] == pub[1] else f'{pub[0]}-{pub[1]}'} | {p['model_us']:.1f} "
+                         f"| {p['ratio_model_over_published']:.2f} |")
+        ok = all(p["within_1_5x"] for p in v)
+        lines += ["", "The model predicts marlin within a factor of 1.5 at "
+                  + ("every published point." if ok else
+                     f"{sum(p['within_1_5x'] for p in v)} of {len(v)} published points: its absolute times are "
+                     "NOT performance claims (see bench/README.md, 'What the model misses').")]
     if result.get("fp4_modes"):
-        lines += ["", f"FP4 tensor-core modes (`fused_moe_nvfp4(act_quant=...)`), {arch}, K3 TP16 shapes "
-                  "(`k3nvfp4.kernels.moe_fp4_details.compile_fp4`):", "",
+        lines += ["", "FP4 tensor-core modes (`fused_moe_nvfp4(act_quant=...)`), sm_100, K3 TP16 shapes "
+                  "(`k3nvfp4.kernels.moe_fp4_details.compile_fp4`; not yet in the model, issue 18):", "",
                   "| kernel | tcgen05.mma | kind | block scale | wgmma / mma.sync | regs | spill B | native |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in result["fp4_modes"]:
@@ -213,6 +286,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['kernel']} | {r['tcgen05_mma']} | {', '.join(r['kinds'])} | {', '.join(r['block_scale'])} | "
                          f"{r['wgmma']} / {r['mma_sync']} | {r['registers']} | {r['local_bytes']} | "
                          f"{'yes' if r['native'] else 'NO'} |")
+    for sec in ("marlin", "flashinfer"):
+        if not result[sec]["available"]:
+            lines.append(f"\n- {sec}: not available: {result[sec]['reason'][:300]}")
     for e in result["errors"]:
         lines.append(f"\n- {e}")
     return "\n".join(lines) + "\n"
@@ -229,12 +305,15 @@ def write_readme(md: str, path: pathlib.Path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="90", help="comma list of compute capabilities x10 (90 = H100/H200, 100 = B200)")
-    p.add_argument("--shapes", default="tp16,ep16", help=f"comma list of {','.join(SHAPES)}")
+    p.add_argument("--devices", default="H200,B200", help="comma list of H200, B200")
+    p.add_argument("--shards", "--shapes", default=None,
+                   help="comma list of tp8,tp16,tp32,ep8,ep16,ep32 (default: H200 all six, B200 tp8,tp16)")
     p.add_argument("--m-list", default=",".join(map(str, DEFAULT_M)), help="batch sizes (tokens per rank)")
-    p.add_argument("--no-peers", action="store_true", help="skip SGLang's marlin (nvcc build)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/sass-sm<arch>.json)")
-    p.add_argument("--write-readme", action="store_true", help="replace the table in bench/README.md (first arch)")
+    p.add_argument("--no-peers", action="store_true", help="skip marlin and FlashInfer (nvcc builds)")
+    p.add_argument("--baseline", default=None, metavar="REV",
+                   help="use the heuristic of git revision REV instead of get_moe_config (before/after)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/perf-model.json)")
+    p.add_argument("--write-readme", action="store_true", help="replace the table in bench/README.md")
     return p.parse_args(argv)
 
 
@@ -243,47 +322,56 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("sass_report: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
         return 2
-    shapes = args.shapes.split(",")
-    for s in shapes:
-        if s not in SHAPES:
-            print(f"--shapes: unknown shape {s!r} (known: {', '.join(SHAPES)})", file=sys.stderr)
+    from k3nvfp4.kernels import perf_model as pm
+
+    devices = args.devices.split(",")
+    for d in devices:
+        if d not in DEVICE_SHARDS:
+            print(f"--devices: unknown device {d!r} (known: {', '.join(DEVICE_SHARDS)})", file=sys.stderr)
+            return 2
+    if args.shards:
+        shards = args.shards.split(",")
+        bad = [s for s in shards if s not in pm.K3_SHARDS]
+        if bad:
+            print(f"--shards: unknown shard(s) {bad} (known: {', '.join(pm.K3_SHARDS)})", file=sys.stderr)
             return 2
     try:
         m_list = [int(m) for m in args.m_list.split(",")]
     except ValueError:
         print(f"--m-list: expected comma-separated integers, got {args.m_list!r}", file=sys.stderr)
         return 2
-    from k3nvfp4.kernels import sass
-
-    failed = False
-    for i, arch in enumerate(int(a) for a in args.arch.split(",")):
-        rows, errors = our_rows(arch, shapes, m_list)
-        peers, peer_errors = ([], []) if args.no_peers else peer_rows(arch)
-        result = {
-            "device": "offline compile (no GPU)",
-            "arch": f"sm_{arch}",
-            "date": _dt.date.today().isoformat(),
-            "git_commit": _git_commit(),
-            "versions": _versions(),
-            "hbm_budget": round(sass.HBM_BUDGET, 4),
-            "config_lookup": f"get_moe_config(..., device_name={DEVICE_NAME!r})",
-            "rows": rows,
-            "peers": peers,
-            "errors": errors + peer_errors,
-        }
-        if arch >= 100:
-            result["fp4_modes"] = fp4_mode_rows(arch)
-            failed |= not all(r.get("native") for r in result["fp4_modes"])
-        out = pathlib.Path(args.out) if args.out else REPO / "bench" / "results" / f"sass-sm{arch}.json"
-        write_json_atomic(out, result, indent=1)
-        md = markdown(result)
-        print(md)
-        print(f"wrote {out}")
-        if args.write_readme and i == 0:
-            write_readme(md, REPO / "bench" / "README.md")
-            print("updated bench/README.md")
-        failed |= bool(errors) or any(not r.get("meets_target", False) for r in rows if arch == 90)
-    return 1 if failed else 0
+    heuristic = baseline_heuristic(args.baseline) if args.baseline else None
+    statics = Statics()
+    rows = []
+    for d in devices:
+        rows += our_rows(d, args.shards.split(",") if args.shards else DEVICE_SHARDS[d], m_list, statics, heuristic)
+    skip = {"available": False, "reason": "--no-peers", "rows": [], "validation": []}
+    result = {
+        "device": "offline compile and static model (no GPU)",
+        "date": _dt.date.today().isoformat(),
+        "git_commit": (_git("rev-parse", "HEAD") or "").strip() or None,
+        "baseline": args.baseline,
+        "versions": _versions(),
+        "devices": {d: dict(pm.DEVICES[d].__dict__) for d in devices},
+        "assumptions": dict(pm.DEFAULT_ASSUMPTIONS.__dict__),
+        "known_misses": {"/".join(k): {"bound": v[0], "why": v[1]} for k, v in KNOWN_MISSES.items()},
+        "rows": rows,
+        "marlin": skip if args.no_peers or "H200" not in devices else marlin_section(m_list),
+        "flashinfer": skip if args.no_peers or "H200" not in devices else flashinfer_section(m_list),
+        "errors": statics.errors,
+    }
+    if "B200" in devices and not args.baseline:
+        result["fp4_modes"] = fp4_mode_rows(100)
+    out = pathlib.Path(args.out) if args.out else REPO / "bench" / "results" / "perf-model.json"
+    write_json_atomic(out, result, indent=1)
+    md = markdown(result)
+    print(md)
+    print(f"wrote {out}")
+    if args.write_readme:
+        write_readme(md, REPO / "bench" / "README.md")
+        print("updated bench/README.md")
+    fp4_ok = all(r.get("native") for r in result.get("fp4_modes", []))
+    return 1 if statics.errors or not fp4_ok or not all(r.get("ok") for r in rows) else 0
 
 
 if __name__ == "__main__":

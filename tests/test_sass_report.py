@@ -60,15 +60,16 @@ def test_no_mma_loop_is_an_error():
         sass.hot_loop(ins)
 
 
-def test_shipped_decode_configs_meet_the_budget_on_sm90(tmp_path):
+def test_shipped_decode_configs_dequantize_at_the_minimum_on_sm90(tmp_path):
     """bench/sass_report.py on the TP16 and EP16 decode configs (M = 1) of both GEMMs: the hot K
-    loop spends <= 0.10 warp-instructions per weight element (issue bound above HBM speed) and
-    no config spills."""
-    out = tmp_path / "sass.json"
+    loop's dequant is exactly 5 rotations and 4 bf16x2 scale products per word of 8 weights, no
+    byte shuffles, no I2F/F2F, no spills, within the loop budget. (Every shard and M, and
+    sm100, are covered by tests/test_launch_configs.py.)"""
+    out = tmp_path / "model.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-P", str(REPO / "bench" / "sass_report.py"), "--shapes", "tp16,ep16", "--m-list", "1",
-         "--no-peers", "--out", str(out)],
+        [sys.executable, "-P", str(REPO / "bench" / "sass_report.py"), "--devices", "H200", "--shards", "tp16,ep16",
+         "--m-list", "1", "--no-peers", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     if proc.returncode != 0 and ("ptxas" in proc.stderr and ("not found" in proc.stderr or "No such file" in proc.stderr)):
@@ -76,17 +77,17 @@ def test_shipped_decode_configs_meet_the_budget_on_sm90(tmp_path):
     assert out.is_file(), proc.stderr[-4000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert {(r["shape"], r["kernel"]) for r in rows} == {
-        (s, k) for s in ("tp16", "ep16") for k in ("k3nvfp4 gemm1", "k3nvfp4 gemm2")
-    }
+    assert {r["shard"] for r in rows} == {"tp16", "ep16"} and all(r["M"] == 1 for r in rows)
     for r in rows:
         assert "error" not in r, r
-        assert r["mma_per_iteration"] > 0, r
-        assert r["local_bytes"] == 0 and r["local_memory_ops_in_loop"] == 0, r
-        assert r["warp_instr_per_weight"] <= 0.10, r
-        assert r["family_mix"].get("convert", 0) == 0, r  # no I2F/F2F in the dequant
-        words = r["weights_per_iteration"] // r["num_warps"] // 32 // 8  # per thread: 8 weights a word
-        assert r["family_mix"]["f16x2"] == 4 * words, r  # one bf16x2 scale product per two weights
-        assert r["opcode_mix"].get("SHF.L.W.U32.HI", 0) == 5 * words, r  # the 5 rotations per word
-        assert r["opcode_mix"].get("PRMT", 0) == 0, r  # no byte shuffles
+        assert [k["name"] for k in r["kernels"]] == ["k3nvfp4 gemm1", "k3nvfp4 gemm2"]
+        for k in r["kernels"]:
+            assert k["mma_per_iteration"] > 0, k
+            assert k["local_bytes"] == 0 and k["local_memory_ops_in_loop"] == 0, k
+            assert k["warp_instr_per_useful_weight"] <= 0.10, k
+            assert k["family_mix"].get("convert", 0) == 0, k  # no I2F/F2F in the dequant
+            words = k["weights_per_iteration"] // k["num_warps"] // 32 // 8  # per thread: 8 weights a word
+            assert k["family_mix"]["f16x2"] == 4 * words, k  # one bf16x2 scale product per two weights
+            assert k["opcode_mix"].get("SHF.L.W.U32.HI", 0) == 5 * words, k  # the 5 rotations per word
+            assert k["opcode_mix"].get("PRMT", 0) == 0, k  # no byte shuffles
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

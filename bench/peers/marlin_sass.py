@@ -64,9 +64,13 @@ DECODE_TOKENS = 1
 MOE_BLOCK_64_TOKENS = 4096
 
 # Kimi-K3 expert shards: experts held by one rank, hidden H, intermediate I per rank.
+# TP32 (I = 96) is absent: no NVFP4 marlin tile divides its GEMM1 N (192) and K tiles at once.
 SHARDS: dict[str, dict[str, int]] = {
+    "TP8": {"experts": 896, "hidden": 3584, "intermediate": 384, "top_k": 16},
     "TP16": {"experts": 896, "hidden": 3584, "intermediate": 192, "top_k": 16},
+    "EP8": {"experts": 112, "hidden": 3584, "intermediate": 3072, "top_k": 16},
     "EP16": {"experts": 56, "hidden": 3584, "intermediate": 3072, "top_k": 16},
+    "EP32": {"experts": 28, "hidden": 3584, "intermediate": 3072, "top_k": 16},
 }
 
 _SOURCE_FILES = ("marlin_moe/kernel.h", "marlin_moe/marlin_template.h", "marlin_moe/moe_wna16_marlin.cuh",
@@ -510,11 +514,30 @@ def _template_params(src: Sources, tile: Tile, flags: Flags) -> dict[str, Any]:
     }
 
 
-def marlin_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marlin") -> list[dict[str, Any]]:
-    """One row per (regime, shard, tile) SGLang launches for the Kimi-K3 shards, measured on its SASS.
+@dataclass
+class Statics:
+    """The compiled marlin instantiations: SGLang's sources, nvcc, and per (tile, flags) the
+    function's instructions, resource usage and build."""
 
-    Raises RuntimeError naming what is missing (SGLang's sources, tvm_ffi headers, nvcc, Triton's
-    cuobjdump) or what failed; the caller reports "not available: <reason>"."""
+    src: Sources
+    nvcc: tuple[str, str]
+    funcs: dict[tuple[Tile, Flags], dict[str, Any]]
+
+    @property
+    def registers(self) -> dict[tuple[Tile, Flags], int]:
+        return {inst: f["usage"].registers for inst, f in self.funcs.items()}
+
+    def measure(self, tile: Tile, flags: Flags) -> dict[str, Any]:
+        """Hot-loop figures of one instantiation (see _measure), cached."""
+        f = self.funcs[(tile, flags)]
+        if "measured" not in f:
+            f["measured"] = _measure(self.src, f["instrs"], tile)
+        return f["measured"]
+
+
+def marlin_statics(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marlin") -> Statics:
+    """Build (or reuse) every instantiation SGLang's selection queries for the Kimi-K3 call sites
+    and disassemble them. Raises RuntimeError naming what is missing or what failed."""
     if arch != 90:
         raise ValueError("only arch=90 (sm_90a, H200 device model) is modelled")
     from k3nvfp4.kernels import sass
@@ -527,18 +550,14 @@ def marlin_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marl
     nvcc = find_nvcc()
     out = pathlib.Path(build_dir)
     out = out if out.is_absolute() else REPO_ROOT / out
-    sites = call_sites()
-
-    # Every (tile, flags) SGLang's selection queries; their registers decide the launch.
     regimes = {"decode": "decode (moe_block 8)", "moe_block64": "moe_block 64"}
     insts: dict[str, list[tuple[Tile, Flags]]] = {name: [] for name in regimes}
-    for site in sites:
+    for site in call_sites():
         name = "decode" if site.moe_block_size == 8 else "moe_block64"
         for tile, _ in candidates(src, site):
             if (tile, site.flags) not in insts[name]:
                 insts[name].append((tile, site.flags))
     builds = build_all(src, nvcc, arch, {f"marlin_nvfp4_{n}": translation_unit(src, v) for n, v in insts.items()}, out)
-
     funcs: dict[tuple[Tile, Flags], dict[str, Any]] = {}
     for b in builds.values():
         usage = sass.resource_usage(b.cubin)
@@ -549,7 +568,19 @@ def marlin_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marl
     missing = [f"{t.label} {f.label}" for v in insts.values() for t, f in v if (t, f) not in funcs]
     if missing:
         raise RuntimeError(f"instantiations missing from the cubins: {missing}")
-    registers = {inst: f["usage"].registers for inst, f in funcs.items()}
+    return Statics(src, nvcc, funcs)
+
+
+def marlin_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marlin") -> list[dict[str, Any]]:
+    """One row per (regime, shard, tile) SGLang launches for the Kimi-K3 shards, measured on its SASS.
+
+    Raises RuntimeError naming what is missing (SGLang's sources, tvm_ffi headers, nvcc, Triton's
+    cuobjdump) or what failed; the caller reports "not available: <reason>"."""
+    from k3nvfp4.kernels import sass
+
+    st = marlin_statics(arch, build_dir)
+    src, nvcc, funcs, registers = st.src, st.nvcc, st.funcs, st.registers
+    sites = call_sites()
 
     # One row per (regime, shard, tile): both GEMMs of a shard launch the same tile; their flags
     # (kZeroInactiveOutput) shift the loop by an instruction or two, reported per call site.
@@ -562,11 +593,11 @@ def marlin_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marl
     for (regime, shard, tile), used in groups.items():
         flags = used[0][0].flags  # measured on the first call site's instantiation (GEMM1)
         f = funcs[(tile, flags)]
-        m = _measure(src, f["instrs"], tile)
-        st = m["stats"]
+        m = st.measure(tile, flags)
+        stats = m["stats"]
         by_site = {}
         for site, blocks, _ in used:
-            ms = m if site.flags == flags else _measure(src, funcs[(tile, site.flags)]["instrs"], tile)
+            ms = st.measure(tile, site.flags)
             by_site[site.label] = {
                 "instructions_per_iteration": ms["stats"].instructions,
                 "warp_instr_per_weight": round(ms["per_weight"], 4),
@@ -580,16 +611,16 @@ def marlin_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marl
             "shard": shard,
             "template_params": _template_params(src, tile, flags),
             "arch": f"sm_{arch}a",
-            "instructions_per_iteration": st.instructions,
+            "instructions_per_iteration": stats.instructions,
             "weights_per_iteration": m["weights"],
             "num_warps": m["warps"],
             "warp_instr_per_weight": round(m["per_weight"], 4),
             "hbm_ceiling_pct": round(100 * sass.hbm_ceiling(m["per_weight"]), 1),
             "registers": f["usage"].registers,
             "local_bytes": f["usage"].local_bytes,
-            "opcode_mix": dict(list(st.opcode_mix.items())[:15]),
-            "family_mix": st.family_mix,
-            "mma_per_iteration": st.mma,
+            "opcode_mix": dict(list(stats.opcode_mix.items())[:15]),
+            "family_mix": stats.family_mix,
+            "mma_per_iteration": stats.mma,
             "iteration_mapping": m["mapping"],
             "nvcc_version": nvcc[1],
             "sglang_version": src.version,

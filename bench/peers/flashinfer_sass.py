@@ -1,0 +1,742 @@
+"""Static SASS measurement of FlashInfer's SM90 CUTLASS W4A16 MoE grouped GEMM (MXFP4 weights x BF16).
+
+What is measured: the steady-state K loop of the Hopper mixed-input grouped GEMM that
+``flashinfer.fused_moe.cutlass_fused_moe(..., use_w4_group_scaling=True)`` runs for BF16
+activations and MXFP4 weights (uint8-packed E2M1 nibbles, one E8M0 scale per 32 weights) on
+sm_90a -- ``CutlassMoeFCRunner<__nv_bfloat16, Fp4Type>`` (``isWFP4A16Quant`` in
+``data/csrc/fused_moe/cutlass_backend/flashinfer_cutlass_fused_moe_binding.cu``), whose GEMMs go
+through ``sm90_dispatch_moe_mixed_dtype_gemm_to_cutlass`` (``.../moe_gemm/
+moe_gemm_template_dispatch_tma_ws_mixed_dtype.h``, post-MMA scale mode for W4A16) to
+``sm90_generic_mixed_moe_gemm_kernelLauncher`` (``.../moe_gemm/launchers/
+moe_gemm_tma_ws_mixed_input_launcher.inl``). Paths are inside the installed ``flashinfer``
+package; ``...`` is ``data/csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels``. Same figures
+as ``k3nvfp4.kernels.sass`` reports for our Triton kernels and ``marlin_sass`` for marlin:
+warp-instructions of one K-loop pass per FP4 weight it consumes.
+
+How: FlashInfer JIT-builds this module from the CUTLASS sources in its wheel (about 248
+translation units). This module builds only the decode tiles: it writes a translation unit under
+``build/peers/flashinfer/`` with FlashInfer's own kernel generator
+(``jit/gemm/cutlass/generate_kernels.py``: ``generate_sm90_mixed_type_grouped_gemm_operations``
+and ``get_file_content``, loaded standalone, nothing of FlashInfer is copied) -- it #includes the
+installed launcher ``.inl`` and explicitly instantiates the launcher for one CTA tile -- and
+compiles it to a cubin with the nvcc flags of FlashInfer's JIT for ``fused_moe_90``
+(``jit/fused_moe.py: gen_cutlass_fused_moe_sm90_module`` and ``gen_cutlass_fused_moe_module``,
+``jit/core.py: gen_jit_spec`` / ``sm90a_nvcc_flags``, ``jit/cpp_ext.py: build_common_cflags`` /
+``build_cuda_cflags``), then disassembles it. No GPU is needed. The module's -D list and
+``sm90a_nvcc_flags`` are read from those files; the generic ninja flags are mirrored here.
+Deviations: ``-cubin`` instead of ``-c``; no ``-I`` for FlashInfer's generated-kernel folder (it
+only holds the other generated .cu files); where the CUDA toolkit lacks ``curand_kernel.h``
+(included by CUTLASS's ``tools/util`` headers the launcher pulls in) the pip ``nvidia`` package's
+include folder is appended last as ``-isystem``; the H20-only
+``-DFLASHINFER_SM90_MOE_PREBUILT_D_DESCRIPTOR=1`` (78-SM devices) is not an H200 flag.
+
+The kernel: ``cutlass::device_kernel<GemmUniversalPrecomputedScheduler<...>>``
+(``.../cutlass_extensions/include/cutlass_extensions/gemm/kernel/
+sm90_gemm_array_tma_warpspecialized_pingpong_precomputed.hpp``), warp-specialized pingpong:
+3 warpgroups (384 threads): a producer warpgroup (setmaxnreg 40) whose warp 0 issues the TMA loads
+of weights, activations and scales, and two consumer warpgroups (setmaxnreg 232) that take turns
+on whole output tiles, each running the full K loop of its tile. With swap_ab (required for the
+mixed-input path) the CTA tile M is weight rows (output channels) and N is tokens, so the 64x16
+tiles are the decode tiles. The mainloop (``.../cutlass_extensions/include/cutlass_extensions/
+gemm/collective/sm90_mma_array_tma_gmma_rs_warpspecialized_mixed_input_.hpp``, ``mma``) runs one
+k-tile per pass (``CUTLASS_PRAGMA_NO_UNROLL``; first and last k-tile peeled): it converts the E2M1
+nibbles to BF16 with bit operations and a BF16 multiply by 2^126 (``HMUL2.BF16``; constant
+0x7e80 in ``.../cutlass_extensions/include/cutlass_extensions/detail/collective/
+mixed_input_utils.hpp``), issues K/16 register-A ``HGMMA.64x16x16.F32.BF16`` per warp into a
+per-32-K-group intermediate accumulator, and applies each group's E8M0 scale to the fp32
+accumulator with ``FFMA`` (``scale_intermediate`` / ``apply_groupwise_scale``). ptxas also emits one
+no-op ``HGMMA.64x8x16 RZ`` per ``warpgroup_commit_batch``; those are counted as instructions but
+not as MMAs.
+
+Facts recorded in each row:
+* ``launches_per_call`` 11 with ``launch_sources`` (``LAUNCH_SOURCES``): the runner's ``runMoe``
+  (``data/csrc/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh``) skips the fused prologue
+  for SM90 mixed-input GEMMs, launches 3 sort kernels, the permute, the stride setup, and per GEMM a
+  precomputed work-tile-map kernel plus the GEMM, the activation between the GEMMs and, since
+  finalize fusion is disabled for SM90 mixed input, a separate finalize kernel. The Python side
+  (``fused_moe/core.py``) only allocates.
+* ``requires`` ``H % 128 == 0 and I % 128 == 0``: ``isProfileShapeSupported`` in the binding needs
+  ``gemm_k % tile_k == 0`` (tile_k >= 128; GEMM1 k = H, GEMM2 k = I) and ``gemm_n % tile_m == 0``.
+  The Kimi-K3 EP shards (H=3584, I=3072) qualify; TP16 (I=192) does not.
+* ``bytes_per_weight`` 0.53125: an E2M1 nibble plus one E8M0 byte per 32 weights.
+* The untuned default tactic is the first candidate, the 64x16x128 pingpong 1x1x1 config
+  (``get_candidate_configs_sm90`` in ``.../cutlass_heuristic.cpp``; ``setRunnerProfiles`` takes
+  ``mAllProfiles.front()``); the AutoTuner may pick others at runtime.
+* ``shared_bytes``: static shared as ``cuobjdump -res-usage`` reports it plus the dynamic shared
+  memory ``GemmUniversalAdapter`` launches with (``GemmKernel::SharedStorageSize``), read by a
+  second small translation unit that names the kernel type (demangled from the cubin with
+  ``llvm-cxxfilt`` / ``c++filt``) and instantiates a probe template on that constant. Null, with
+  ``shared_bytes_note``, if no demangler is available or the probe does not compile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+import types
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3nvfp4.kernels.sass import Instr, Loop
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+KERNEL = "flashinfer_cutlass_w4a16_moe"
+
+# (M, N, K) CTA tiles built and measured: the two 64x16 decode tiles. Each translation unit
+# builds in 80-120 s with nvcc 13.0 (both in parallel on 2 cores, ~5 GB of memory each), plus a
+# ~25 s SharedStorageSize probe each; 64x16x512 is left out (not needed for the decode figures).
+TILES: tuple[tuple[int, int, int], ...] = ((64, 16, 128), (64, 16, 256))
+SCHEDULE = "pingpong"  # FlashInfer instantiates only pingpong for tile M < 128
+CLUSTER = (1, 1, 1)
+
+MXFP4_GROUP_SIZE = 32
+BYTES_PER_WEIGHT = 0.5 + 1 / MXFP4_GROUP_SIZE  # 0.53125
+REQUIRES = "H % 128 == 0 and I % 128 == 0"
+HGMMA_K = 16  # K of one wgmma (BF16)
+
+# Warps per CTA and which of them run per-k-tile work (one tile in flight per consumer warpgroup).
+CTA_WARPS = 12
+CONSUMER_WARPS = 4  # one consumer warpgroup runs the whole K loop of a tile
+PRODUCER_WARPS = 1  # producer warpgroup warp 0 (ProducerWarpRole::Mainloop) issues the TMA loads
+
+_CB = "data/csrc/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh"
+_PREBUILD = ("data/csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/"
+             "moe_gemm_tma_ws_mixed_input_prebuild.h")
+_LAUNCHER = ("data/csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/"
+             "moe_gemm_tma_ws_mixed_input_launcher.inl")
+# One forward call, SM90 W4A16, no LoRA / min-latency / bias, in launch order.
+LAUNCH_SOURCES: tuple[str, ...] = (
+    f"blockExpertPrefixSumKernel: {_CB} threeStepBuildExpertMapsSortFirstToken (runMoe skips "
+    "fusedBuildExpertMapsSortFirstToken when use_sm90_mixed_input_gemm)",
+    f"globalExpertPrefixSumKernel: {_CB} threeStepBuildExpertMapsSortFirstToken",
+    f"mergeExpertPrefixSumKernel: {_CB} threeStepBuildExpertMapsSortFirstToken",
+    f"expandInputRowsKernel (permute): {_CB} expandInputRowsKernelLauncher",
+    f"computeStridesTmaWarpSpecializedKernel: {_CB} setupTmaWarpSpecializedInputs -> "
+    "computeStridesTmaWarpSpecialized (both GEMMs' strides and pointers)",
+    f"build_precomputed_work_tile_map_kernel (GEMM1 tile map): {_PREBUILD} build_precomputed_work_tile_map, "
+    f"called by {_LAUNCHER} sm90_generic_mixed_moe_gemm_kernelLauncher_impl",
+    f"cutlass::device_kernel<GemmUniversalPrecomputedScheduler> (GEMM1, gate/up): {_LAUNCHER} gemm.run",
+    f"doActivationKernel (SiTU/SwiGLU): {_CB} CutlassMoeFCRunner::gemm1 -> doActivation",
+    f"build_precomputed_work_tile_map_kernel (GEMM2 tile map): {_PREBUILD} build_precomputed_work_tile_map",
+    f"cutlass::device_kernel<GemmUniversalPrecomputedScheduler> (GEMM2, down): {_LAUNCHER} gemm.run",
+    f"finalizeMoeRoutingKernel: {_CB} CutlassMoeFCRunner::gemm2 -> finalizeMoeRoutingKernelLauncher "
+    "(setupTmaWarpSpecializedInputs disables fused finalize for SM90 mixed input)",
+)
+
+_NV = "data/csrc/nv_internal"
+_INL_INCLUDE = "tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/moe_gemm_tma_ws_mixed_input_launcher.inl"
+# Hashed into the cache key (with the FlashInfer version, which pins its CUTLASS copy).
+_HASHED = (f"{_NV}/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers",
+           f"{_NV}/tensorrt_llm/cutlass_extensions/include",
+           f"{_NV}/tensorrt_llm/kernels/cutlass_kernels/include",
+           "jit/gemm/cutlass/generate_kernels.py", "jit/gemm/cutlass/cutlass_library.py",
+           "jit/fused_moe.py", "jit/core.py", "jit/cpp_ext.py")
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The installed FlashInfer's JIT sources and the flags read from its JIT module generator."""
+
+    version: str
+    package_dir: pathlib.Path  # .../site-packages/flashinfer
+    module_flags: tuple[str, ...]  # sm90a_nvcc_flags + gen_cutlass_fused_moe_sm90_module's list
+    include_flags: tuple[str, ...]  # -I / -isystem, in FlashInfer's order
+    deviations: tuple[str, ...]
+
+    @property
+    def data(self) -> pathlib.Path:
+        return self.package_dir / "data"
+
+
+# --------------------------------------------------------------------------- locating the inputs
+
+
+def find_nvcc() -> tuple[str, str]:
+    """(path, version) of nvcc: CUDA_HOME/CUDA_PATH, then PATH, then /usr/local/cuda (FlashInfer's order)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    in_home = os.path.join(home, "bin", "nvcc") if home else ""
+    fallback = "/usr/local/cuda/bin/nvcc"
+    nvcc = (in_home if os.path.isfile(in_home) else None) or shutil.which("nvcc") or (
+        fallback if os.path.isfile(fallback) else None)
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"release [\d.]+, V([\d.]+)", out)
+    if not m:
+        raise RuntimeError(f"cannot parse `{nvcc} --version`: {out.strip()[-200:]}")
+    return nvcc, m.group(1)
+
+
+def _version_at_least(version: str, want: str) -> bool:
+    return tuple(int(x) for x in version.split(".")[:2]) >= tuple(int(x) for x in want.split(".")[:2])
+
+
+def _list_literal(text: str, start: int, where: str) -> str:
+    """The text of the [...] list literal that opens at or after text[start]."""
+    i = text.index("[", start)
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"[": 1, "]": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    raise RuntimeError(f"unterminated list in FlashInfer's {where}")
+
+
+def read_module_flags(fused_moe_py: str, core_py: str, nvcc_version: str) -> list[str]:
+    """sm90a_nvcc_flags (jit/core.py) + the -D list of gen_cutlass_fused_moe_sm90_module
+    (jit/fused_moe.py), evaluating its ``"-D..." if is_cuda_version_at_least("12.8") else ""``."""
+    out = []
+    for name in ("common_nvcc_flags", "sm90a_nvcc_flags"):
+        m = re.search(rf"^{name}\s*=", core_py, re.M)
+        if not m:
+            raise RuntimeError(f"cannot find {name} in FlashInfer's jit/core.py")
+        out.append(re.findall(r'"(-[^"]+)"', _list_literal(core_py, m.end(), "jit/core.py")))
+    common, sm90a = out
+    if not re.search(r"^sm90a_nvcc_flags\s*=\s*\[[^\]]*\]\s*\+\s*common_nvcc_flags", core_py, re.M):
+        raise RuntimeError("FlashInfer's sm90a_nvcc_flags is no longer [...] + common_nvcc_flags")
+    m = re.search(r"def gen_cutlass_fused_moe_sm90_module\b.*?nvcc_flags\s*=\s*sm90a_nvcc_flags\s*\+", fused_moe_py,
+                  re.S)
+    if not m:
+        raise RuntimeError("cannot find gen_cutlass_fused_moe_sm90_module's nvcc_flags in FlashInfer's "
+                           "jit/fused_moe.py")
+    body = _list_literal(fused_moe_py, m.end(), "jit/fused_moe.py")
+    flags = []
+    for item in re.findall(r'("-[^"]+"(?:\s+if\s+is_cuda_version_at_least\("[\d.]+"\)\s+else\s+"")?)', body):
+        flag = re.match(r'"([^"]+)"', item).group(1)
+        cond = re.search(r'is_cuda_version_at_least\("([\d.]+)"\)', item)
+        if cond is None or _version_at_least(nvcc_version, cond.group(1)):
+            flags.append(flag)
+    if not any(f.startswith("-DCOMPILE_HOPPER_TMA_GROUPED_GEMMS") for f in flags):
+        raise RuntimeError("FlashInfer's fused_moe sm90 flags lack -DCOMPILE_HOPPER_TMA_GROUPED_GEMMS")
+    return sm90a + common + flags
+
+
+def _find_package(name: str) -> pathlib.Path | None:
+    spec = importlib.util.find_spec(name)  # locates without importing
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return pathlib.Path(list(spec.submodule_search_locations)[0])
+
+
+def _toolkit_includes(nvcc: str) -> list[pathlib.Path]:
+    """The include folders nvcc itself adds (its INCLUDES line of --dryrun): the real toolkit's,
+    also when nvcc on PATH is a wrapper script outside the toolkit."""
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    m = re.search(r"INCLUDES=(.*)", out.stdout + out.stderr)
+    return [pathlib.Path(p) for p in re.findall(r'-I"?([^"\s]+)', m.group(1))] if m else []
+
+
+def _curand_include(cuda_home: pathlib.Path, nvcc: str) -> tuple[pathlib.Path | None, str | None]:
+    """(extra -isystem dir, deviation note): None if the toolkit has curand_kernel.h."""
+    if any((d / "curand_kernel.h").is_file() for d in (cuda_home / "include", *_toolkit_includes(nvcc))):
+        return None, None
+    nvidia = _find_package("nvidia")
+    cands = sorted(nvidia.glob("*/include/curand_kernel.h")) if nvidia else []
+    if not cands:
+        raise RuntimeError(f"curand_kernel.h (CUTLASS tools/util headers need it) is neither in {cuda_home}/include "
+                           "nor in a pip nvidia-curand package")
+    where = ", ".join(str(d) for d in (cuda_home / "include", *_toolkit_includes(nvcc)))
+    return cands[0].parent, f"-isystem {cands[0].parent} appended: no curand_kernel.h in the CUDA toolkit ({where})"
+
+
+def find_sources(nvcc: tuple[str, str]) -> Sources:
+    """FlashInfer's JIT sources and flags; RuntimeError naming what is missing."""
+    pkg = _find_package("flashinfer")
+    if pkg is None:
+        raise RuntimeError("flashinfer (flashinfer-python) is not installed")
+    need = [_LAUNCHER, f"{_NV}/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/launchers/"
+            "moe_gemm_tma_ws_mixed_input_launcher.h", "jit/gemm/cutlass/generate_kernels.py",
+            "jit/gemm/cutlass/cutlass_library.py", "jit/fused_moe.py", "jit/core.py", "data/cutlass/include/cutlass",
+            "data/cutlass/tools/util/include/cutlass"]
+    missing = [p for p in need if not (pkg / p).exists()]
+    if missing:
+        raise RuntimeError(f"flashinfer at {pkg} lacks its JIT CUTLASS sources: {', '.join(missing)}")
+    try:
+        version = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    module_flags = read_module_flags((pkg / "jit/fused_moe.py").read_text(), (pkg / "jit/core.py").read_text(),
+                                     nvcc[1])
+
+    data, nv = pkg / "data", pkg / _NV
+    # jit/cpp_ext.py get_cuda_path: CUDA_HOME / CUDA_PATH, else two levels above `which nvcc`.
+    cuda_home = pathlib.Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+                             or pathlib.Path(nvcc[0]).parent.parent)
+    # jit/cpp_ext.py build_common_cflags: -I extra_include_paths (gen_cutlass_fused_moe_module's),
+    # -I vendored CCCL, then -isystem get_system_includes(cuda_home).
+    inc = [f"-I{d}" for d in (nv, nv / "include", nv / "tensorrt_llm/cutlass_extensions/include",
+                              nv / "tensorrt_llm/kernels/cutlass_kernels/include",
+                              nv / "tensorrt_llm/kernels/cutlass_kernels")]
+    inc += [f"-I{data / 'cccl' / d}" for d in ("cub", "libcudacxx/include", "thrust")]
+    system = [pathlib.Path(sysconfig.get_path("include")), cuda_home / "include"]
+    tvm = _find_package("tvm_ffi")
+    if tvm is not None:  # tvm_ffi.libinfo.find_include_path / find_dlpack_include_path
+        system += [p for p in (tvm / "include", tvm / "3rdparty" / "dlpack" / "include") if p.is_dir()]
+    system += [data / "include", data / "csrc", data / "cutlass/include", data / "cutlass/tools/util/include",
+               data / "spdlog/include"]
+    seen: set[pathlib.Path] = set()
+    for d in system:
+        if d not in seen and d.is_dir():
+            seen.add(d)
+            inc += ["-isystem", str(d)]
+    deviations = ["-cubin instead of ninja's -c (device code only)",
+                  "no -I for FlashInfer's generated cutlass_instantiations/90 folder (only the other generated .cu)"]
+    curand, note = _curand_include(cuda_home, nvcc[0])
+    if curand is not None:
+        inc += ["-isystem", str(curand)]
+        deviations.append(note)
+    return Sources(version, pkg, tuple(module_flags), tuple(inc), tuple(deviations))
+
+
+# --------------------------------------------------------------------------- build
+
+
+# jit/core.py gen_jit_spec (non-debug) and jit/cpp_ext.py build_common_cflags / build_cuda_cflags,
+# in ninja's order: $common_cflags (defines; includes come from Sources), build_cuda_cflags' own
+# flags and CompilationContext.COMMON_NVCC_FLAGS, then gen_jit_spec's cuda_cflags, then the
+# module's extra_cuda_cflags (Sources.module_flags).
+HOST_DEFINES = ("-DPy_LIMITED_API=0x03090000",
+                "-D_GLIBCXX_USE_CXX11_ABI=1")  # torch._C._GLIBCXX_USE_CXX11_ABI of the torch wheels
+BUILD_CUDA_CFLAGS = ("--compiler-options=-fPIC", "--expt-relaxed-constexpr",
+                     "-static-global-template-stub=false",  # CUDA >= 12.8
+                     "-DFLASHINFER_ENABLE_FP8_E8M0", "-DFLASHINFER_ENABLE_FP4_E2M1")
+GEN_JIT_SPEC_CUDA_CFLAGS = ("-std=c++17", "--threads=1", "-use_fast_math", "-Xfatbin=-compress-all",
+                            "--compress-mode=size", "-DFLASHINFER_ENABLE_F16", "-DFLASHINFER_ENABLE_BF16",
+                            "-DFLASHINFER_ENABLE_FP8_E4M3", "-DFLASHINFER_ENABLE_FP8_E5M2", "-DNDEBUG", "-O3")
+
+
+def nvcc_flags(src: Sources) -> list[str]:
+    """Every nvcc flag but the include directories, in FlashInfer's ninja order."""
+    return [*HOST_DEFINES, *BUILD_CUDA_CFLAGS, *GEN_JIT_SPEC_CUDA_CFLAGS, *src.module_flags]
+
+
+def nvcc_command(src: Sources, nvcc: tuple[str, str], cu: pathlib.Path, cubin: pathlib.Path) -> list[str]:
+    return [nvcc[0], "-cubin", *HOST_DEFINES, *src.include_flags, *BUILD_CUDA_CFLAGS, *GEN_JIT_SPEC_CUDA_CFLAGS,
+            *src.module_flags, "-o", str(cubin), str(cu)]
+
+
+def load_generator(package_dir: pathlib.Path) -> types.ModuleType:
+    """FlashInfer's jit/gemm/cutlass/generate_kernels.py, loaded standalone (it only imports the
+    standard library and its sibling cutlass_library.py), without importing flashinfer."""
+    base = package_dir / "jit" / "gemm" / "cutlass"
+    pkg = f"_k3nvfp4_flashinfer_cutlass_gen_{hashlib.sha256(str(base).encode()).hexdigest()[:8]}"
+    if f"{pkg}.generate_kernels" in sys.modules:
+        return sys.modules[f"{pkg}.generate_kernels"]
+    parent = types.ModuleType(pkg)
+    parent.__path__ = [str(base)]
+    sys.modules[pkg] = parent
+    mod = None
+    for name in ("cutlass_library", "generate_kernels"):
+        spec = importlib.util.spec_from_file_location(f"{pkg}.{name}", base / f"{name}.py")
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"cannot load FlashInfer's {base / name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def operation(gen: types.ModuleType, tile: tuple[int, int, int]) -> Any:
+    """The BF16 x MXFP4 (ue8m0 scales, bf16 out) sm90 mixed grouped-GEMM operation of this tile
+    from FlashInfer's own list (generate_sm90_mixed_type_grouped_gemm_operations)."""
+    dt = gen.DataType
+    want = (dt.bf16, gen.e2m1, dt.ue8m0, dt.bf16, dt.bf16)
+    ops = [op for op in gen.generate_sm90_mixed_type_grouped_gemm_operations(True)
+           if (op.act_type, op.weight_type, op.scalezero_type, op.bias_type, op.output_type) == want
+           and tuple(op.cta_shape) == tile and tuple(op.cga_shape) == CLUSTER
+           and op.mainloop_schedule == gen.KernelScheduleType.TmaWarpSpecializedPingpong]
+    if len(ops) != 1:
+        raise RuntimeError(f"FlashInfer's generator has {len(ops)} bf16 x e2m1 pingpong operations for tile {tile}")
+    return ops[0]
+
+
+def translation_unit(gen: types.ModuleType, tile: tuple[int, int, int]) -> str:
+    """FlashInfer's generated-file text (get_file_content) for the one launcher of this tile."""
+    body = gen.get_file_content([_INL_INCLUDE], [operation(gen, tile)])
+    head = (f"// Generated by bench/peers/flashinfer_sass.py with FlashInfer's generate_kernels.py: the SM90\n"
+            f"// BF16 x MXFP4 grouped-GEMM launcher for CTA tile {tile[0]}x{tile[1]}x{tile[2]} ({SCHEDULE}).\n")
+    return head + body
+
+
+def probe_unit(kernel_type: str) -> str:
+    """A translation unit whose only kernel's mangled name carries GemmKernel's constants."""
+    return (f'#include "{_INL_INCLUDE}"\n'
+            "template <int SharedStorageSize, int MaxThreadsPerBlock> __global__ void k3nvfp4_probe() {}\n"
+            f"using K3Kernel = {kernel_type};\n"
+            "template __global__ void k3nvfp4_probe<K3Kernel::SharedStorageSize, "
+            "int(K3Kernel::MaxThreadsPerBlock)>();\n")
+
+
+def _sources_hash(src: Sources) -> str:
+    h = hashlib.sha256()
+    for rel in _HASHED:
+        p = src.package_dir / rel
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                h.update(str(f.relative_to(src.package_dir)).encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@dataclass
+class Build:
+    cubin: bytes
+    seconds: float  # compile wall time of this run; 0 when the cached cubin was reused
+    cached: bool
+    path: pathlib.Path
+    command: list[str]
+    recorded_seconds: float | None = None  # compile wall time recorded when the cubin was built
+
+
+def _start_build(src: Sources, nvcc: tuple[str, str], text: str, out: pathlib.Path, name: str,
+                 sources_hash: str) -> tuple[dict[str, Any], list[str], subprocess.Popen | None, float]:
+    """Writes the .cu and starts nvcc unless the cached cubin's key matches; returns (key, cmd, proc|None, t0)."""
+    cu, cubin, keyf = out / f"{name}.cu", out / f"{name}.cubin", out / f"{name}.key.json"
+    cmd = nvcc_command(src, nvcc, cu, cubin)
+    key = {"flashinfer_version": src.version, "flashinfer_sources_sha256": sources_hash, "nvcc_version": nvcc[1],
+           "flags": nvcc_flags(src), "source_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    if cubin.is_file() and keyf.is_file():
+        try:
+            if json.loads(keyf.read_text()).get("key") == key:
+                return key, cmd, None, 0.0
+        except (OSError, ValueError):
+            pass
+    out.mkdir(parents=True, exist_ok=True)
+    cu.write_text(text)
+    keyf.unlink(missing_ok=True)
+    cubin.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return key, cmd, proc, time.monotonic()
+
+
+def build_all(src: Sources, nvcc: tuple[str, str], tus: dict[str, str], out: pathlib.Path,
+              raise_on_error: bool = True) -> dict[str, Build | str]:
+    """Compile each translation unit to a cubin, in parallel (one nvcc each), reusing cached cubins.
+    A failed build raises, or with raise_on_error=False maps to its error text."""
+    sources_hash = _sources_hash(src)
+    started = {name: _start_build(src, nvcc, text, out, name, sources_hash) for name, text in tus.items()}
+    builds: dict[str, Build | str] = {}
+    for name, (key, cmd, proc, t0) in started.items():
+        cubin, keyf = out / f"{name}.cubin", out / f"{name}.key.json"
+        seconds = 0.0
+        if proc is not None:
+            try:
+                log, _ = proc.communicate(timeout=1800)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                log = "timed out after 1800 s"
+            seconds = time.monotonic() - t0
+            if proc.returncode != 0 or not cubin.is_file():
+                err = f"nvcc failed ({proc.returncode}) on {out / name}.cu: {log[-3000:]}"
+                if raise_on_error:
+                    raise RuntimeError(err)
+                builds[name] = err
+                continue
+            keyf.write_text(json.dumps({"key": key, "command": cmd, "compile_seconds": round(seconds, 1)}, indent=1))
+        try:
+            recorded = json.loads(keyf.read_text()).get("compile_seconds")
+        except (OSError, ValueError):
+            recorded = None
+        builds[name] = Build(cubin.read_bytes(), seconds, proc is None, cubin, cmd, recorded)
+    return builds
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def parse_kernel_name(function: str) -> dict[str, Any] | None:
+    """Tile, schedule, stages, MMA atom and operand types from the mangled name of the mixed-input
+    grouped GEMM's ``cutlass::device_kernel<...>``; None for any other function."""
+    if not function.startswith("_ZN7cutlass13device_kernel") or "MixedInput" not in function:
+        return None
+    sched = re.search(r"KernelPtrArrayTmaWarpSpecialized(Pingpong|Cooperative)E+"
+                      r"NS[0-9A-Z]*_IJNS[0-9A-Z]*_ILi(\d+)EEENS[0-9A-Z]*_ILi(\d+)EEENS[0-9A-Z]*_ILi(\d+)EEE", function)
+    stages = re.search(r"MainloopSm90ArrayTmaGmmaWarpSpecializedMixedInputILi(\d+)E", function)
+    atom = re.search(r"\d+(MMA_(\d+)x(\d+)x(\d+)_([A-Z0-9]+)_(RS|SS))", function)
+    if not (sched and stages and atom):
+        return None
+    return {
+        "schedule": sched.group(1).lower(),
+        "tile": tuple(int(sched.group(i)) for i in (2, 3, 4)),
+        "stages": int(stages.group(1)),
+        "mma_atom": atom.group(1),
+        "atom_mnk": tuple(int(atom.group(i)) for i in (2, 3, 4)),
+        "weight_type": "float_e2m1_t" if "float_e2m1_t" in function else None,
+        "scale_type": "float_ue8m0_t" if "float_ue8m0_t" in function else None,
+    }
+
+
+def demangle(function: str) -> str | None:
+    """The demangled name via llvm-cxxfilt or binutils c++filt (--no-recurse-limit: CUTLASS names
+    are deeper than its default limit); None if neither can."""
+    for cmd in (["llvm-cxxfilt"], ["c++filt", "--no-recurse-limit"]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        try:
+            out = subprocess.run([*cmd, function], capture_output=True, text=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out and not out.startswith("_Z"):
+            return out
+    return None
+
+
+def kernel_type_of(demangled: str) -> str:
+    """The GemmKernel type: the template argument of ``cutlass::device_kernel<...>``."""
+    head = "cutlass::device_kernel<"
+    i = demangled.index(head) + len(head)
+    depth = 0
+    for j in range(i, len(demangled)):
+        c = demangled[j]
+        if c == "<":
+            depth += 1
+        elif c == ">":
+            if depth == 0:
+                return demangled[i:j].strip()
+            depth -= 1
+    raise ValueError("unbalanced template brackets in the demangled kernel name")
+
+
+def _probe_values(funcs: dict[str, Any]) -> tuple[int, int] | None:
+    for fn in funcs:
+        m = re.search(r"k3nvfp4_probeILi(\d+)ELi(\d+)EEvv", fn)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    return None
+
+
+def is_real_hgmma(ins: Instr) -> bool:
+    """An HGMMA that computes: ptxas's per-commit placeholders are ``HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ``
+    (the parser leaves the shape suffix, e.g. ``x8x16.F16``, at the head of the operands)."""
+    return ins.base == "HGMMA" and re.match(r"(?:x[0-9]\S*\s+)?RZ\b", ins.operands) is None
+
+
+def consumer_loop(instrs: list[Instr], expected_hgmma: int) -> Loop:
+    """The mainloop k-tile pass: the smallest backward-branch loop holding exactly the HGMMAs one
+    k-tile implies (the tile and persistent loops around it hold the peeled k-tiles too)."""
+    from k3nvfp4.kernels import sass
+
+    fits = [lp for lp in sass.loops(instrs) if sum(is_real_hgmma(i) for i in lp.instrs) == expected_hgmma]
+    if not fits:
+        raise RuntimeError(f"no loop of the GEMM kernel holds the expected {expected_hgmma} HGMMA instructions")
+    return min(fits, key=lambda lp: lp.size)
+
+
+def producer_loop(instrs: list[Instr]) -> Loop:
+    """The producer's k-tile loop: the smallest loop that issues TMA loads (UTMALDG) and no HGMMA."""
+    from k3nvfp4.kernels import sass
+
+    fits = [lp for lp in sass.loops(instrs) if any(i.base == "UTMALDG" for i in lp.instrs)
+            and not any(i.base == "HGMMA" for i in lp.instrs)]
+    if not fits:
+        raise RuntimeError("no TMA-load loop without HGMMA (the producer's k-tile loop) in the GEMM kernel")
+    return min(fits, key=lambda lp: lp.size)
+
+
+def setmaxnreg(instrs: list[Instr]) -> dict[str, int]:
+    """USETMAXREG targets: TRY_ALLOC (consumer warpgroups) and DEALLOC (producer warpgroup)."""
+    out = {}
+    for i in instrs:
+        if i.base == "USETMAXREG":
+            m = re.search(r"0x([0-9a-f]+)\s*$", i.operands)
+            if m:
+                role = "producer" if "DEALLOC" in i.opcode else "consumer"
+                out[role] = int(m.group(1), 16)
+    return out
+
+
+def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int, int, int]) -> dict[str, Any]:
+    """Consumer and producer k-tile loops, their counts per weight, and the checked mapping."""
+    from k3nvfp4.kernels import sass
+
+    m_tile, n_tile, k_tile = tile
+    am, an, ak = atom_mnk
+    if am != m_tile or an != n_tile:
+        raise RuntimeError(f"MMA atom {atom_mnk} is not one warpgroup MMA per {m_tile}x{n_tile} tile")
+    exp = k_tile // ak
+    loop = consumer_loop(instrs, exp)
+    st = sass.loop_stats(loop)
+    real = sum(is_real_hgmma(i) for i in loop.instrs)
+    placeholders = st.mma - real
+    weights = m_tile * k_tile
+    if real * am * ak != weights:
+        raise RuntimeError(f"{real} HGMMA x {am}x{ak} weights do not cover the {weights} weights of a k-tile")
+    ploop = producer_loop(instrs)
+    pst = sass.loop_stats(ploop)
+    expect_tx = sum(i.opcode.startswith("SYNCS.ARRIVE.TRANS64") and ".RED" not in i.opcode for i in ploop.instrs)
+    waits = sum(i.opcode.startswith("SYNCS.PHASECHK") for i in ploop.instrs)
+    if expect_tx != 1:
+        raise RuntimeError(f"producer loop [{ploop.start:#x}, {ploop.end:#x}] has {expect_tx} expect-tx arrives, "
+                           "not the one of a single pipeline stage (k-tile)")
+    tma = {op: n for op, n in pst.opcode_mix.items() if op.startswith(("UTMALDG", "UBLKCP"))}
+    ffma = sum(n for op, n in st.opcode_mix.items() if op.startswith("FFMA"))
+    hmul2 = sum(n for op, n in st.opcode_mix.items() if op.startswith("HMUL2"))
+    groups = k_tile // MXFP4_GROUP_SIZE
+    acc_per_thread = m_tile * n_tile // 128
+    consumer_wipw = sass.warp_instr_per_weight(st.instructions, CONSUMER_WARPS, weights)
+    total = (CONSUMER_WARPS * st.instructions + PRODUCER_WARPS * pst.instructions) / weights
+    enclosing = sum(1 for lp in sass.loops(instrs) if lp.start <= loop.start and lp.end >= loop.end and lp != loop)
+    mapping = (
+        f"one pass of the consumer SASS loop [{loop.start:#x}, {loop.end:#x}] (the mainloop's "
+        f"CUTLASS_PRAGMA_NO_UNROLL k-tile loop; first and last k-tile are peeled outside it; inside "
+        f"{enclosing} larger loop(s): tile and persistent-scheduler loops) = one k-tile of {k_tile} (K) x "
+        f"{m_tile} (M, weight rows; swap_ab) FP4 weights of one expert against {n_tile} tokens = {weights} "
+        f"weights, run by the {CONSUMER_WARPS} warps of one consumer warpgroup; checked: {real} "
+        f"HGMMA.{am}x{an}x{ak} per warp (expected K/{ak} = {exp}) x {am}x{ak} weights per warpgroup HGMMA = "
+        f"{weights}; plus {placeholders} no-op HGMMA.64x8x16 RZ commit placeholders (counted as "
+        f"instructions only). Per pass per thread: {ffma} FFMA applying the E8M0 scales to the fp32 "
+        f"accumulator ({groups} groups of {MXFP4_GROUP_SIZE} x {acc_per_thread} accumulators = "
+        f"{groups * acc_per_thread}) and {hmul2} HMUL2.BF16 (x2^126 after the E2M1 bit shuffle, 2 weights "
+        f"each: {m_tile * k_tile // 128} weights per thread). The producer warp's loop [{ploop.start:#x}, "
+        f"{ploop.end:#x}] ({pst.instructions} instructions: {waits} empty-barrier wait, 1 expect-tx arrive, "
+        f"{tma}) loads one pipeline stage = the same k-tile. warp_instr_per_weight = ({CONSUMER_WARPS} x "
+        f"{st.instructions} + {PRODUCER_WARPS} x {pst.instructions}) / {weights}; the other 7 warps of the "
+        f"CTA (the second consumer warpgroup works on another tile in the same way; producer warps 1-3 "
+        f"have no per-k-tile work) are not counted")
+    return {"loop": loop, "stats": st, "real_hgmma": real, "placeholders": placeholders, "weights": weights,
+            "producer_loop": ploop, "producer_stats": pst, "consumer_per_weight": consumer_wipw,
+            "per_weight": total, "mapping": mapping, "scale_ffma": ffma, "convert_hmul2": hmul2}
+
+
+def _label(tile: tuple[int, int, int]) -> str:
+    return f"{tile[0]}x{tile[1]}x{tile[2]}"
+
+
+def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/flashinfer") -> list[dict[str, Any]]:
+    """One row per tile of TILES, measured on the SASS of FlashInfer's own launcher instantiation.
+
+    Raises RuntimeError naming what is missing (FlashInfer's sources, nvcc, Triton's cuobjdump) or
+    what failed; the caller reports "not available: <reason>"."""
+    if arch != 90:
+        raise ValueError("only arch=90 (sm_90a) is modelled: the mixed-input grouped GEMM is Hopper-only")
+    from k3nvfp4.kernels import sass
+
+    try:
+        sass.tool("cuobjdump")
+    except FileNotFoundError as e:
+        raise RuntimeError(str(e)) from e
+    nvcc = find_nvcc()
+    src = find_sources(nvcc)
+    gen = load_generator(src.package_dir)
+    out = pathlib.Path(build_dir)
+    out = out if out.is_absolute() else REPO_ROOT / out
+
+    names = {tile: f"flashinfer_w4a16_{_label(tile)}" for tile in TILES}
+    builds = build_all(src, nvcc, {names[t]: translation_unit(gen, t) for t in TILES}, out)
+
+    found: dict[tuple[int, int, int], dict[str, Any]] = {}
+    for tile in TILES:
+        b = builds[names[tile]]
+        assert isinstance(b, Build)
+        usage = sass.resource_usage(b.cubin)
+        for fn, instrs in sass.disassemble(b.cubin).items():
+            info = parse_kernel_name(fn)
+            if info and info["tile"] == tile:
+                found[tile] = {"function": fn, "instrs": instrs, "usage": usage[fn], "build": b, "info": info}
+        if tile not in found:
+            raise RuntimeError(f"no mixed-input device_kernel for tile {tile} in {b.path}")
+
+    # Dynamic shared memory: GemmKernel::SharedStorageSize via a probe naming the kernel type.
+    probes, notes = {}, {}
+    for tile, f in found.items():
+        dem = demangle(f["function"])
+        if dem is None:
+            notes[tile] = "no demangler (llvm-cxxfilt / c++filt) could demangle the kernel name"
+        else:
+            probes[f"{names[tile]}_smem_probe"] = (tile, probe_unit(kernel_type_of(dem)))
+    probe_builds = build_all(src, nvcc, {n: t for n, (_, t) in probes.items()}, out, raise_on_error=False)
+    dynamic: dict[tuple[int, int, int], int] = {}
+    for name, (tile, _) in probes.items():
+        pb = probe_builds[name]
+        vals = _probe_values(sass.disassemble(pb.cubin)) if isinstance(pb, Build) else None
+        if vals is None:
+            notes[tile] = f"SharedStorageSize probe failed: {pb if isinstance(pb, str) else 'no probe kernel'}"[:600]
+        elif vals[1] != 32 * CTA_WARPS:
+            raise RuntimeError(f"tile {tile}: MaxThreadsPerBlock {vals[1]} != {32 * CTA_WARPS}")
+        else:
+            dynamic[tile] = vals[0]
+
+    rows = []
+    for tile in TILES:
+        f = found[tile]
+        info, usage, b = f["info"], f["usage"], f["build"]
+        m = measure(f["instrs"], tile, info["atom_mnk"])
+        st, pst = m["stats"], m["producer_stats"]
+        dyn = dynamic.get(tile)
+        probe = probe_builds.get(f"{names[tile]}_smem_probe")
+        rows.append({
+            "kernel": KERNEL,
+            "regime": "decode (swap_ab: 64 weight rows x 16 tokens per expert tile; "
+                      + ("FlashInfer's untuned default tactic)" if tile == (64, 16, 128)
+                         else "an autotuner candidate)"),
+            "tile": {"M": tile[0], "N": tile[1], "K": tile[2], "schedule": info["schedule"],
+                     "cluster": "x".join(map(str, CLUSTER)), "stages": info["stages"], "mma_atom": info["mma_atom"]},
+            "arch": f"sm_{arch}a",
+            "instructions_per_iteration": st.instructions,
+            "producer_instructions_per_iteration": pst.instructions,
+            "weights_per_iteration": m["weights"],
+            "num_warps": CTA_WARPS,
+            "loop_warps": {"consumer": CONSUMER_WARPS, "producer": PRODUCER_WARPS},
+            "warp_instr_per_weight": round(m["per_weight"], 4),
+            "consumer_warp_instr_per_weight": round(m["consumer_per_weight"], 4),
+            "hbm_ceiling_pct": round(100 * sass.hbm_ceiling(m["per_weight"]), 1),
+            "registers": usage.registers,
+            "setmaxnreg": setmaxnreg(f["instrs"]),
+            "local_bytes": usage.local_bytes,
+            "shared_bytes": None if dyn is None else usage.shared_bytes + dyn,
+            "shared_static_bytes": usage.shared_bytes,
+            "shared_dynamic_bytes": dyn,
+            **({"shared_bytes_note": notes[tile]} if tile in notes else {}),
+            "opcode_mix": dict(list(st.opcode_mix.items())[:15]),
+            "family_mix": st.family_mix,
+            "producer_opcode_mix": pst.opcode_mix,
+            "mma_per_iteration": m["real_hgmma"],
+            "hgmma_placeholders_per_iteration": m["placeholders"],
+            "scale_ffma_per_iteration": m["scale_ffma"],
+            "iteration_mapping": m["mapping"],
+            "bytes_per_weight": BYTES_PER_WEIGHT,
+            "launches_per_call": len(LAUNCH_SOURCES),
+            "launch_sources": list(LAUNCH_SOURCES),
+            "requires": REQUIRES,
+            "flashinfer_version": src.version,
+            "nvcc_version": nvcc[1],
+            "nvcc_command": " ".join(b.command),
+            "flag_deviations": list(src.deviations),
+            "function": f["function"],
+            "cubin": str(b.path),
+            "compile_seconds": round(b.seconds, 1),
+            "recorded_compile_seconds": b.recorded_seconds,  # of the build that made the (cached) cubin
+            "probe_compile_seconds": probe.recorded_seconds if isinstance(probe, Build) else None,
+            "cached": b.cached,
+        })
+    return rows
+
+
+def main() -> int:
+    try:
+        rows = flashinfer_rows()
+    except RuntimeError as e:
+        print(f"not available: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
