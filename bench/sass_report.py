@@ -159,6 +159,22 @@ def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=
     return rows
 
 
+def _peer_rows(implementation: str, call, statics, m_list) -> list[dict]:
+    """call(device, statics, shard, M) -> CallPrediction for every H200 shard and M; a shard the
+    peer cannot run gets a row with the reason."""
+    from k3nvfp4.kernels import perf_model as pm
+
+    rows = []
+    for sname in DEVICE_SHARDS["H200"]:
+        for M in m_list:
+            try:
+                rows.append(call(pm.H200, statics, pm.K3_SHARDS[sname], M).to_dict())
+            except RuntimeError as e:
+                rows.append({"implementation": implementation, "device": "H200", "shard": sname, "M": M,
+                             "error": f"not runnable: {e}"})
+    return rows
+
+
 def marlin_section(m_list) -> dict:
     """Marlin under the model (H200), and the model's error against published timings."""
     sys.path.insert(0, str(REPO / "bench"))
@@ -169,16 +185,7 @@ def marlin_section(m_list) -> dict:
         statics = marlin_statics(90, str(REPO / "build" / "peers" / "marlin"))
     except Exception as e:
         return {"available": False, "reason": f"{type(e).__name__}: {e}", "rows": [], "validation": []}
-    from k3nvfp4.kernels import perf_model as pm
-
-    rows = []
-    for sname in DEVICE_SHARDS["H200"]:
-        for M in m_list:
-            try:
-                rows.append(marlin_call(pm.H200, statics, pm.K3_SHARDS[sname], M).to_dict())
-            except RuntimeError as e:
-                rows.append({"implementation": "marlin", "device": "H200", "shard": sname, "M": M,
-                             "error": f"not modelled: {e}"})
+    rows = _peer_rows("marlin", marlin_call, statics, m_list)
     return {"available": True, "sglang": statics.src.version, "nvcc": statics.nvcc[1], "rows": rows,
             "validation": validation(statics)}
 
@@ -193,16 +200,7 @@ def flashinfer_section(m_list) -> dict:
         statics = flashinfer_rows(90, str(REPO / "build" / "peers" / "flashinfer"))
     except Exception as e:
         return {"available": False, "reason": f"{type(e).__name__}: {e}", "rows": []}
-    from k3nvfp4.kernels import perf_model as pm
-
-    rows = []
-    for sname in DEVICE_SHARDS["H200"]:
-        for M in m_list:
-            try:
-                rows.append(flashinfer_call(pm.H200, statics, pm.K3_SHARDS[sname], M).to_dict())
-            except RuntimeError as e:
-                rows.append({"implementation": "flashinfer", "device": "H200", "shard": sname, "M": M,
-                             "error": f"not runnable: {e}"})
+    rows = _peer_rows("flashinfer", flashinfer_call, statics, m_list)
     return {"available": True, "statics": [{k: v for k, v in r.items() if k not in ("opcode_mix",)} for r in statics],
             "rows": rows}
 

@@ -24,7 +24,8 @@ Definitions:
   passes (the loop's efficiency; at M = 1 passes and useful weights coincide).
 
 Every assumption is a field of :class:`Assumptions`; devices are :class:`Device` records with their
-sources. Nothing here imports torch or triton.
+sources. The generic part (devices, occupancy, routing, :func:`predict_kernel`) imports nothing;
+:func:`our_gemm` / :func:`our_call` read the layout's and the routing's constants.
 """
 
 from __future__ import annotations

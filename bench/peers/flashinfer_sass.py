@@ -74,7 +74,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import os
 import pathlib
 import re
@@ -82,10 +81,15 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: bench/ holds peers
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from peers import nvcc_cache  # noqa: E402
+from peers.nvcc_cache import Build, find_nvcc  # noqa: E402,F401  (find_nvcc: used by the tests)
 
 if TYPE_CHECKING:
     from k3nvfp4.kernels.sass import Instr, Loop
@@ -160,22 +164,6 @@ class Sources:
 
 
 # --------------------------------------------------------------------------- locating the inputs
-
-
-def find_nvcc() -> tuple[str, str]:
-    """(path, version) of nvcc: CUDA_HOME/CUDA_PATH, then PATH, then /usr/local/cuda (FlashInfer's order)."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    in_home = os.path.join(home, "bin", "nvcc") if home else ""
-    fallback = "/usr/local/cuda/bin/nvcc"
-    nvcc = (in_home if os.path.isfile(in_home) else None) or shutil.which("nvcc") or (
-        fallback if os.path.isfile(fallback) else None)
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    m = re.search(r"release [\d.]+, V([\d.]+)", out)
-    if not m:
-        raise RuntimeError(f"cannot parse `{nvcc} --version`: {out.strip()[-200:]}")
-    return nvcc, m.group(1)
 
 
 def _version_at_least(version: str, want: str) -> bool:
@@ -393,68 +381,15 @@ def _sources_hash(src: Sources) -> str:
     return h.hexdigest()
 
 
-@dataclass
-class Build:
-    cubin: bytes
-    seconds: float  # compile wall time of this run; 0 when the cached cubin was reused
-    cached: bool
-    path: pathlib.Path
-    command: list[str]
-    recorded_seconds: float | None = None  # compile wall time recorded when the cubin was built
-
-
-def _start_build(src: Sources, nvcc: tuple[str, str], text: str, out: pathlib.Path, name: str,
-                 sources_hash: str) -> tuple[dict[str, Any], list[str], subprocess.Popen | None, float]:
-    """Writes the .cu and starts nvcc unless the cached cubin's key matches; returns (key, cmd, proc|None, t0)."""
-    cu, cubin, keyf = out / f"{name}.cu", out / f"{name}.cubin", out / f"{name}.key.json"
-    cmd = nvcc_command(src, nvcc, cu, cubin)
-    key = {"flashinfer_version": src.version, "flashinfer_sources_sha256": sources_hash, "nvcc_version": nvcc[1],
-           "flags": nvcc_flags(src), "source_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    if cubin.is_file() and keyf.is_file():
-        try:
-            if json.loads(keyf.read_text()).get("key") == key:
-                return key, cmd, None, 0.0
-        except (OSError, ValueError):
-            pass
-    out.mkdir(parents=True, exist_ok=True)
-    cu.write_text(text)
-    keyf.unlink(missing_ok=True)
-    cubin.unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return key, cmd, proc, time.monotonic()
-
-
 def build_all(src: Sources, nvcc: tuple[str, str], tus: dict[str, str], out: pathlib.Path,
               raise_on_error: bool = True) -> dict[str, Build | str]:
-    """Compile each translation unit to a cubin, in parallel (one nvcc each), reusing cached cubins.
-    A failed build raises, or with raise_on_error=False maps to its error text."""
-    sources_hash = _sources_hash(src)
-    started = {name: _start_build(src, nvcc, text, out, name, sources_hash) for name, text in tus.items()}
-    builds: dict[str, Build | str] = {}
-    for name, (key, cmd, proc, t0) in started.items():
-        cubin, keyf = out / f"{name}.cubin", out / f"{name}.key.json"
-        seconds = 0.0
-        if proc is not None:
-            try:
-                log, _ = proc.communicate(timeout=1800)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                log = "timed out after 1800 s"
-            seconds = time.monotonic() - t0
-            if proc.returncode != 0 or not cubin.is_file():
-                err = f"nvcc failed ({proc.returncode}) on {out / name}.cu: {log[-3000:]}"
-                if raise_on_error:
-                    raise RuntimeError(err)
-                builds[name] = err
-                continue
-            keyf.write_text(json.dumps({"key": key, "command": cmd, "compile_seconds": round(seconds, 1)}, indent=1))
-        try:
-            recorded = json.loads(keyf.read_text()).get("compile_seconds")
-        except (OSError, ValueError):
-            recorded = None
-        builds[name] = Build(cubin.read_bytes(), seconds, proc is None, cubin, cmd, recorded)
-    return builds
+    """Compile each translation unit to a cubin (nvcc_cache.build_all: in parallel, cached by
+    FlashInfer's version and sources, nvcc, flags and the unit's text). A failed build raises, or
+    with raise_on_error=False maps to its error text."""
+    key = {"flashinfer_version": src.version, "flashinfer_sources_sha256": _sources_hash(src),
+           "nvcc_version": nvcc[1], "flags": nvcc_flags(src)}
+    return nvcc_cache.build_all(tus, out, key, lambda cu, cubin: nvcc_command(src, nvcc, cu, cubin),
+                                raise_on_error=raise_on_error)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -627,10 +562,7 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
         raise ValueError("only arch=90 (sm_90a) is modelled: the mixed-input grouped GEMM is Hopper-only")
     from k3nvfp4.kernels import sass
 
-    try:
-        sass.tool("cuobjdump")
-    except FileNotFoundError as e:
-        raise RuntimeError(str(e)) from e
+    nvcc_cache.require_cuobjdump()
     nvcc = find_nvcc()
     src = find_sources(nvcc)
     gen = load_generator(src.package_dir)
@@ -728,15 +660,5 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
     return rows
 
 
-def main() -> int:
-    try:
-        rows = flashinfer_rows()
-    except RuntimeError as e:
-        print(f"not available: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(rows, indent=2))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(nvcc_cache.print_rows(flashinfer_rows))

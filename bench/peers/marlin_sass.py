@@ -37,16 +37,18 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import os
 import pathlib
 import re
-import shutil
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: bench/ holds peers
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from peers import nvcc_cache  # noqa: E402
+from peers.nvcc_cache import Build, find_nvcc  # noqa: E402,F401  (find_nvcc: used by marlin/build.py and tests)
 
 if TYPE_CHECKING:
     from k3nvfp4.kernels.sass import Instr, Loop
@@ -242,22 +244,6 @@ def find_sources() -> Sources:
     )
 
 
-def find_nvcc() -> tuple[str, str]:
-    """(path, version) of nvcc, looked up the way SGLang's JIT does (CUDA_HOME/CUDA_PATH, then PATH)."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    in_home = os.path.join(home, "bin", "nvcc") if home else ""
-    fallback = "/usr/local/cuda/bin/nvcc"
-    nvcc = (in_home if os.path.isfile(in_home) else None) or shutil.which("nvcc") or (
-        fallback if os.path.isfile(fallback) else None)
-    if nvcc is None:
-        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    m = re.search(r"release [\d.]+, V([\d.]+)", out)
-    if not m:
-        raise RuntimeError(f"cannot parse `{nvcc} --version`: {out.strip()[-200:]}")
-    return nvcc, m.group(1)
-
-
 # --------------------------------------------------------------------------- SGLang's host heuristic, replayed
 
 
@@ -387,56 +373,15 @@ def _sources_hash(src: Sources) -> str:
     return h.hexdigest()
 
 
-@dataclass
-class Build:
-    cubin: bytes
-    seconds: float  # compile wall time of this run; 0 when the cached cubin was reused
-    cached: bool
-    path: pathlib.Path
-
-
-def _start_build(src: Sources, nvcc: tuple[str, str], arch: int, text: str, out: pathlib.Path,
-                 name: str) -> tuple[dict[str, Any], tuple[subprocess.Popen, list[str]] | None, float]:
-    """Writes the .cu and starts nvcc unless the cached cubin's key matches; returns (key, proc|None, t0)."""
-    cu, cubin, keyf = out / f"{name}.cu", out / f"{name}.cubin", out / f"{name}.key.json"
-    cmd = [nvcc[0], "-cubin", *nvcc_flags(arch), *(f"-I{d}" for d in src.include_dirs), "-o", str(cubin), str(cu)]
-    key = {"sglang_version": src.version, "sglang_sources_sha256": _sources_hash(src), "nvcc_version": nvcc[1],
-           "flags": nvcc_flags(arch), "source_sha256": hashlib.sha256(text.encode()).hexdigest()}
-    if cubin.is_file() and keyf.is_file():
-        try:
-            if json.loads(keyf.read_text()).get("key") == key:
-                return key, None, 0.0
-        except (OSError, ValueError):
-            pass
-    out.mkdir(parents=True, exist_ok=True)
-    cu.write_text(text)
-    keyf.unlink(missing_ok=True)
-    cubin.unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return key, (proc, cmd), time.monotonic()
-
-
 def build_all(src: Sources, nvcc: tuple[str, str], arch: int, tus: dict[str, str],
               out: pathlib.Path) -> dict[str, Build]:
-    """Compile each translation unit to a cubin, in parallel (one nvcc each), reusing cached cubins."""
-    started = {name: _start_build(src, nvcc, arch, text, out, name) for name, text in tus.items()}
-    builds = {}
-    for name, (key, job, t0) in started.items():
-        cubin, keyf = out / f"{name}.cubin", out / f"{name}.key.json"
-        seconds = 0.0
-        if job is not None:
-            proc, cmd = job
-            try:
-                log, _ = proc.communicate(timeout=1800)
-            except subprocess.TimeoutExpired as e:
-                proc.kill()
-                raise RuntimeError(f"nvcc timed out on {out / name}.cu") from e
-            seconds = time.monotonic() - t0
-            if proc.returncode != 0 or not cubin.is_file():
-                raise RuntimeError(f"nvcc failed ({proc.returncode}) on {out / name}.cu: {log[-3000:]}")
-            keyf.write_text(json.dumps({"key": key, "command": cmd, "compile_seconds": round(seconds, 1)}, indent=1))
-        builds[name] = Build(cubin.read_bytes(), seconds, job is None, cubin)
-    return builds
+    """Compile each translation unit to a cubin (nvcc_cache.build_all: in parallel, cached by
+    SGLang's version and sources, nvcc, flags and the unit's text)."""
+    key = {"sglang_version": src.version, "sglang_sources_sha256": _sources_hash(src), "nvcc_version": nvcc[1],
+           "flags": nvcc_flags(arch)}
+    includes = [f"-I{d}" for d in src.include_dirs]
+    return nvcc_cache.build_all(
+        tus, out, key, lambda cu, cubin: [nvcc[0], "-cubin", *nvcc_flags(arch), *includes, "-o", str(cubin), str(cu)])
 
 
 # --------------------------------------------------------------------------- measurement
@@ -542,10 +487,7 @@ def marlin_statics(arch: int = 90, build_dir: str | os.PathLike = "build/peers/m
         raise ValueError("only arch=90 (sm_90a, H200 device model) is modelled")
     from k3nvfp4.kernels import sass
 
-    try:
-        sass.tool("cuobjdump")
-    except FileNotFoundError as e:
-        raise RuntimeError(str(e)) from e
+    nvcc_cache.require_cuobjdump()
     src = find_sources()
     nvcc = find_nvcc()
     out = pathlib.Path(build_dir)
@@ -635,15 +577,5 @@ def marlin_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marl
     return rows
 
 
-def main() -> int:
-    try:
-        rows = marlin_rows()
-    except RuntimeError as e:
-        print(f"not available: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(rows, indent=2))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(nvcc_cache.print_rows(marlin_rows))

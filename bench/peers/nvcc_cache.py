@@ -1,0 +1,121 @@
+"""nvcc builds of peer kernels to cubins, in parallel and cached: one place for finding nvcc and for
+the cache rule both peers (marlin_sass, flashinfer_sass) use.
+
+A translation unit ``name`` is written to ``out/name.cu`` and compiled to ``out/name.cubin``; the
+build's key (the caller's inputs: versions, source hashes, flags, plus the unit's own hash) goes
+to ``out/name.key.json``. A cubin whose recorded key equals the current one is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def find_nvcc() -> tuple[str, str]:
+    """(path, version) of nvcc, looked up as SGLang's and FlashInfer's JITs do: CUDA_HOME /
+    CUDA_PATH, then PATH, then /usr/local/cuda. RuntimeError when absent."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    in_home = os.path.join(home, "bin", "nvcc") if home else ""
+    fallback = "/usr/local/cuda/bin/nvcc"
+    nvcc = (in_home if os.path.isfile(in_home) else None) or shutil.which("nvcc") or (
+        fallback if os.path.isfile(fallback) else None)
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    m = re.search(r"release [\d.]+, V([\d.]+)", out)
+    if not m:
+        raise RuntimeError(f"cannot parse `{nvcc} --version`: {out.strip()[-200:]}")
+    return nvcc, m.group(1)
+
+
+def require_cuobjdump() -> None:
+    """RuntimeError unless Triton bundles cuobjdump (the disassembler every peer measurement uses)."""
+    from k3nvfp4.kernels import sass
+
+    try:
+        sass.tool("cuobjdump")
+    except FileNotFoundError as e:
+        raise RuntimeError(str(e)) from e
+
+
+@dataclass
+class Build:
+    cubin: bytes
+    seconds: float  # compile wall time of this run; 0 when the cached cubin was reused
+    cached: bool
+    path: pathlib.Path
+    command: list[str]
+    recorded_seconds: float | None = None  # compile wall time recorded when the cubin was built
+
+
+def build_all(tus: dict[str, str], out: pathlib.Path, key: dict[str, Any],
+              command: Callable[[pathlib.Path, pathlib.Path], list[str]],
+              raise_on_error: bool = True, timeout_s: int = 1800) -> dict[str, Build | str]:
+    """Compile each translation unit {name: source text} to a cubin, one nvcc each in parallel,
+    reusing cached cubins. key: what the cubins depend on besides their text; command(cu, cubin):
+    the nvcc command line. A failed build raises RuntimeError, or with raise_on_error=False maps
+    to its error text."""
+    started = {}
+    for name, text in tus.items():
+        cu, cubin, keyf = out / f"{name}.cu", out / f"{name}.cubin", out / f"{name}.key.json"
+        cmd = command(cu, cubin)
+        full_key = {**key, "source_sha256": hashlib.sha256(text.encode()).hexdigest()}
+        proc = None
+        try:
+            fresh = cubin.is_file() and json.loads(keyf.read_text()).get("key") == full_key
+        except (OSError, ValueError):
+            fresh = False
+        if not fresh:
+            out.mkdir(parents=True, exist_ok=True)
+            cu.write_text(text)
+            keyf.unlink(missing_ok=True)
+            cubin.unlink(missing_ok=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started[name] = (full_key, cmd, proc, time.monotonic())
+    builds: dict[str, Build | str] = {}
+    for name, (full_key, cmd, proc, t0) in started.items():
+        cubin, keyf = out / f"{name}.cubin", out / f"{name}.key.json"
+        seconds = 0.0
+        if proc is not None:
+            try:
+                log, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                log = f"timed out after {timeout_s} s"
+            seconds = time.monotonic() - t0
+            if proc.returncode != 0 or not cubin.is_file():
+                err = f"nvcc failed ({proc.returncode}) on {out / name}.cu: {log[-3000:]}"
+                if raise_on_error:
+                    raise RuntimeError(err)
+                builds[name] = err
+                continue
+            keyf.write_text(json.dumps({"key": full_key, "command": cmd, "compile_seconds": round(seconds, 1)},
+                                       indent=1))
+        try:
+            recorded = json.loads(keyf.read_text()).get("compile_seconds")
+        except (OSError, ValueError):
+            recorded = None
+        builds[name] = Build(cubin.read_bytes(), seconds, proc is None, cubin, cmd, recorded)
+    return builds
+
+
+def print_rows(rows_fn: Callable[[], list[dict[str, Any]]]) -> int:
+    """A peer module's command line: its rows as JSON, or "not available: <reason>" and exit 2."""
+    try:
+        rows = rows_fn()
+    except RuntimeError as e:
+        print(f"not available: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2))
+    return 0
