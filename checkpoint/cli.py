@@ -17,18 +17,24 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="k3nvfp4-cast",
         description="Cast a Kimi-K3 MXFP4 (compressed-tensors) checkpoint into a ModelOpt NVFP4 one, "
-        "bit-exactly, streaming shard by shard. Runs on CPU.",
+        "bit-exactly, streaming shard by shard. Runs on CPU. Re-running a finished cast of the same source "
+        "with the same options does nothing (with --verify: verifies it again); an interrupted one resumes.",
     )
-    ap.add_argument("--source_ckpt", required=True, type=Path, help="MXFP4 checkpoint directory (read only)")
-    ap.add_argument("--output_ckpt", required=True, type=Path, help="NVFP4 output directory (not inside the source)")
-    ap.add_argument("--verify", action="store_true", help="re-read the output and prove every block equal; fail on any mismatch")
-    ap.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="worker processes (one shard each at a time)")
-    ap.add_argument("--strict", action="store_true", help="fail on any block that is not bit-exact")
-    ap.add_argument("--w4a4", action="store_true", help="add input_scale = 1.0 per expert matrix (W4A4 config form)")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory this tool wrote")
+    # Hyphenated flags like every other tool here; the underscore forms are the model card's command.
+    ap.add_argument("--source-ckpt", "--source_ckpt", dest="source_ckpt", required=True, type=Path,
+                    help="MXFP4 checkpoint directory (read only)")
+    ap.add_argument("--output-ckpt", "--output_ckpt", dest="output_ckpt", required=True, type=Path,
+                    help="NVFP4 output directory (not inside the source)")
+    ap.add_argument("--verify", action="store_true",
+                    help="re-read the output and prove every block equal; fail on any mismatch (default: off)")
+    ap.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                    help=f"worker processes (one shard each at a time; default: min(4, CPUs) = {min(4, os.cpu_count() or 1)} here)")
+    ap.add_argument("--strict", action="store_true", help="fail on any block that is not bit-exact (default: off, lossy blocks are reported)")
+    ap.add_argument("--w4a4", action="store_true", help="add input_scale = 1.0 per expert matrix (W4A4 config form; default: off, W4A16)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory this tool wrote (default: off: resume or refuse)")
     ap.add_argument("--trim-a-log", "--trim_a_log", dest="trim_a_log", action="store_true",
-                    help="write KDA A_log at num_heads instead of zero-padded head_dim (padding must be zero)")
-    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+                    help="write KDA A_log at num_heads instead of zero-padded head_dim (padding must be zero; default: off)")
+    ap.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false", help="no progress bars (default: bars on stderr)")
     return ap
 
 
@@ -50,6 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("k3nvfp4-cast: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    if report.get("already_done"):
+        print(f"{args.output_ckpt}: already a finished cast of this source with these options; nothing to do"
+              + (" (verified again)" if args.verify else " (--verify checks it again; --overwrite redoes it)"))
     print(format_summary(report))
     print(f"report: {args.output_ckpt / REPORT_FILE}")
     return 0

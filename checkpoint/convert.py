@@ -32,7 +32,7 @@ from ..common.files import copy_file_atomic
 from ..kernels.cast import CastStats, MXFP4Weight, cast_mxfp4_to_nvfp4
 from . import _progress
 from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE
-from .plan import CastPlan, ExpertMatrix, ShardPlan, SourceRef, plan_cast
+from .plan import CastPlan, ExpertMatrix, ShardPlan, SourceRef, fingerprint_differences, plan_cast
 from .quant_config import hf_quant_config, output_config
 from .safetensors_io import CheckpointError, MappedShards, StreamingWriter, read_tensor, write_atomic_text
 from .verify import verify_full, verify_nonlocal, verify_shard
@@ -340,6 +340,7 @@ class _Executor:
                 on_result(r)
 
         saved = _progress.set_sink(bar.update)
+        completed = False
         try:
             while self.main_works or pool is None:
                 collect(block=False)
@@ -356,6 +357,7 @@ class _Executor:
                 if done.empty():
                     time.sleep(0.01)
                 collect(block=False)
+            completed = True
         finally:
             with lock:
                 todo.clear()  # stop the dispatcher on error
@@ -365,6 +367,8 @@ class _Executor:
                 self._queue.put(None)
                 for th in threads:
                     th.join(timeout=5)
+            if completed and bar.n < total:
+                bar.update(total - bar.n)  # all done: a bar in a log ends at 100% (totals are estimates)
             bar.close()
 
 
@@ -372,40 +376,46 @@ def _is_within(child: Path, parent: Path) -> bool:
     return child == parent or parent in child.parents
 
 
-def _prepare_output(options: CastOptions, plan: CastPlan) -> Path:
-    """Create/validate the output dir; returns the state dir. Decides fresh run vs resume."""
+def _prepare_output(options: CastOptions, plan: CastPlan) -> tuple[Path, dict | None]:
+    """Create/validate the output dir. Returns (state dir, None) for a fresh run or a resume, or
+    (state dir, the finished report) when the output already is a finished cast of this source
+    with these options (nothing to redo)."""
     src, out = options.source.resolve(), options.output.resolve()
     if _is_within(out, src):
-        raise CheckpointError(f"--output_ckpt {options.output} is the source or inside it ({options.source}); refusing")
+        raise CheckpointError(f"--output-ckpt {options.output} is the source or inside it ({options.source}); refusing")
     if _is_within(src, out):
-        raise CheckpointError(f"--output_ckpt {options.output} contains the source {options.source}; refusing")
+        raise CheckpointError(f"--output-ckpt {options.output} contains the source {options.source}; refusing")
     state = out / STATE_DIR
     if out.exists() and not out.is_dir():
-        raise CheckpointError(f"--output_ckpt {options.output}: exists and is not a directory")
+        raise CheckpointError(f"--output-ckpt {options.output}: exists and is not a directory")
     if out.exists() and any(out.iterdir()):
-        resumable = False
-        try:
-            resumable = json.loads((state / "state.json").read_text()).get("fingerprint") == plan.fingerprint
-        except (OSError, ValueError):
-            pass
         complete = (out / REPORT_FILE).exists()
-        if resumable and not complete and not options.overwrite:
-            return state  # resume
+        try:
+            previous = json.loads((out / REPORT_FILE if complete else state / "state.json").read_text())
+        except (OSError, ValueError):
+            previous = {}
+        same = previous.get("fingerprint") == plan.fingerprint
+        if same and not options.overwrite:
+            return state, (previous if complete else None)  # done, or resume
         if not options.overwrite:
-            raise CheckpointError(
-                f"--output_ckpt {options.output}: exists and is not empty"
-                + (" (a finished cast)" if complete else "")
-                + "; pass --overwrite to replace it"
-            )
+            if "fingerprint_parts" in previous:
+                why = fingerprint_differences(previous["fingerprint_parts"], plan.fingerprint_parts)
+                what = "a finished cast" if complete else "an unfinished cast"
+                raise CheckpointError(
+                    f"--output-ckpt {options.output}: {what} of other inputs ({'; '.join(why) or 'unknown change'}); "
+                    "pass --overwrite to redo it, or choose another --output-ckpt")
+            raise CheckpointError(f"--output-ckpt {options.output}: exists and is not empty; pass --overwrite to "
+                                  "replace it")
         if not (complete or state.exists() or (out / INDEX_FILE).exists()):
             raise CheckpointError(
-                f"--output_ckpt {options.output}: not empty and not a checkpoint this tool wrote; "
+                f"--output-ckpt {options.output}: not empty and not a checkpoint this tool wrote; "
                 "refusing to delete it even with --overwrite"
             )
         shutil.rmtree(out)
     state.mkdir(parents=True, exist_ok=True)
-    write_atomic_text(state / "state.json", json.dumps({"fingerprint": plan.fingerprint}) + "\n")
-    return state
+    write_atomic_text(state / "state.json",
+                      json.dumps({"fingerprint": plan.fingerprint, "fingerprint_parts": plan.fingerprint_parts}) + "\n")
+    return state, None
 
 
 def _write_final_files(plan: CastPlan, options: CastOptions) -> int:
@@ -440,7 +450,9 @@ def run_cast(options: CastOptions) -> dict:
     if not src.is_dir():
         raise CheckpointError(f"--source_ckpt {src}: not a directory")
     plan = plan_cast(src, w4a4=options.w4a4, trim_a_log=options.trim_a_log, tool_version=TOOL_VERSION)
-    state = _prepare_output(options, plan)
+    state, finished = _prepare_output(options, plan)
+    if finished is not None:
+        return _already_done(options, plan, finished)
     for p in options.output.glob(".*.partial"):  # leftovers of an interrupted run
         p.unlink()
 
@@ -510,6 +522,8 @@ def run_cast(options: CastOptions) -> dict:
         "source": str(options.source),
         "output": str(options.output),
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.__dict__.items()},
+        "fingerprint": plan.fingerprint,
+        "fingerprint_parts": plan.fingerprint_parts,
         "stats": stats.to_dict(),
         "bit_exact_fraction": stats.exact_blocks / stats.blocks if stats.blocks else 1.0,
         "matrices_cast": matrices,
@@ -537,6 +551,31 @@ def run_cast(options: CastOptions) -> dict:
     return report
 
 
+def _already_done(options: CastOptions, plan: CastPlan, report: dict) -> dict:
+    """The output is a finished cast of this source with these options: nothing is cast again.
+    With --verify every shard is verified again from disk and the report's verify section
+    replaced. Returns the report with ``already_done`` set."""
+    if options.verify:
+        t0 = time.perf_counter()
+        tasks = [_shard_task(plan, options, sp) for sp in plan.shards]
+        results: list[dict] = []
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with _Executor(min(options.workers, len(tasks)), options.progress, options.main_process_works) as ex:
+                ex.run(verify_full, tasks, sum(t.shard.source_bytes for t in tasks), "verify", results.append)
+        finally:
+            torch.set_num_threads(threads)
+        verify_report = _merge_verify(results, CastStats(**report["stats"]))
+        if verify_report["mismatches"]:
+            raise CheckpointError("--verify FAILED: " + "; ".join(verify_report["mismatch_examples"])
+                                  + f" ({verify_report['mismatches']} mismatches)")
+        report = {**report, "verify": verify_report,
+                  "seconds": {**report["seconds"], "verify": time.perf_counter() - t0}}
+        write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+    return {**report, "already_done": True}
+
+
 def _merge_verify(results: list[dict], cast_stats: CastStats) -> dict:
     keys = ("matrices", "blocks", "proved_blocks", "exact_blocks", "sample_matrices", "sample_elements",
             "carried_tensors", "mismatches")
@@ -555,6 +594,17 @@ def _merge_verify(results: list[dict], cast_stats: CastStats) -> dict:
     return out
 
 
+def _window_line(s: dict) -> str:
+    """Blocks outside the 17-binade window: re-quantized, and how many of them stayed exact
+    (all-zero blocks always do) and how many are lossy."""
+    lossy = s["blocks"] - s["exact_blocks"]
+    n = s["out_of_range_blocks"]
+    if n == 0:
+        return "none: every block cast in closed form"
+    return (f"{n:,} blocks re-quantized: {n - lossy:,} still exact (all-zero blocks, {s['zero_exponent_blocks']:,} "
+            f"with exponent 0, are exact in any scale), {lossy:,} lossy")
+
+
 def format_summary(report: dict) -> str:
     """The human summary table (like the seed model card's)."""
     s = report["stats"]
@@ -563,8 +613,7 @@ def format_summary(report: dict) -> str:
     a = report["a_log"]
     rows = [
         ("Cast fidelity", f"{s['exact_blocks']:,} / {s['blocks']:,} blocks bit-exact ({pct:.4f}%), max_abs_err {s['max_abs_err']:g}"),
-        ("Re-quantized blocks", f"{s['out_of_range_blocks']:,} outside the 17-binade window "
-         f"({s['zero_exponent_blocks']:,} zero-exponent blocks among all blocks)"),
+        ("Outside the window", _window_line(s)),
         ("Matrices cast", f"{report['matrices_cast']:,} (routed MoE experts)"),
         ("Shards", f"{report['shards']['total']} ({report['shards']['resumed']} resumed)"),
         ("A_log", f"{a['tensors']} checked, padding exactly zero in {a['padding_all_zero']}, trimmed {a['trimmed']}"),

@@ -78,6 +78,7 @@ class CastPlan:
     exclude_modules: list[str]
     side_files: list[Path]  # relative to source
     fingerprint: str
+    fingerprint_parts: dict  # tool version, options, source file hashes, shard sizes and mtimes
     total_source_bytes: int
     w4a4: bool
     trim_a_log: bool
@@ -85,6 +86,23 @@ class CastPlan:
     @property
     def matrices(self) -> dict[str, ExpertMatrix]:
         return {m.name.base: m for ms in self.groups.values() for m in ms}
+
+
+def fingerprint_differences(old: dict, new: dict) -> list[str]:
+    """What changed between two plans' fingerprint parts, in words (empty: nothing)."""
+    out = []
+    for opt in ("w4a4", "trim_a_log"):
+        if old.get(opt) != new.get(opt):
+            flag = "--" + opt.replace("_", "-")
+            out.append(f"option {flag} was {'on' if old.get(opt) else 'off'}, now {'on' if new.get(opt) else 'off'}")
+    if old.get("tool_version") != new.get("tool_version"):
+        out.append(f"k3nvfp4-cast version {old.get('tool_version')} -> {new.get('tool_version')}")
+    for kind in ("files", "shards"):
+        a, b = old.get(kind, {}), new.get(kind, {})
+        out += [f"source {name} changed" for name in sorted(set(a) & set(b)) if a[name] != b[name]]
+        out += [f"source {name} is new" for name in sorted(set(b) - set(a))]
+        out += [f"source {name} is gone" for name in sorted(set(a) - set(b))]
+    return out
 
 
 def _load_json(path: Path) -> dict:
@@ -240,13 +258,15 @@ def plan_cast(source: Path, *, w4a4: bool = False, trim_a_log: bool = False, too
         and not any(part.startswith(".") for part in p.relative_to(source).parts)  # .cache, .git ...
     )
 
-    fp = hashlib.sha256()
-    fp.update(f"k3nvfp4-cast {tool_version} w4a4={w4a4} trim_a_log={trim_a_log}\n".encode())
-    fp.update(config_path.read_bytes())
-    fp.update(index_path.read_bytes())
-    for shard, h in sorted(headers.items()):
-        st = h.path.stat()
-        fp.update(f"{shard} {st.st_size} {st.st_mtime_ns}\n".encode())
+    # What a cast depends on, part by part (a refused resume says which part changed).
+    parts = {
+        "tool_version": tool_version, "w4a4": w4a4, "trim_a_log": trim_a_log,
+        "files": {config_path.name: hashlib.sha256(config_path.read_bytes()).hexdigest(),
+                  index_path.name: hashlib.sha256(index_path.read_bytes()).hexdigest()},
+        "shards": {shard: f"{h.path.stat().st_size} bytes, mtime {h.path.stat().st_mtime_ns}"
+                   for shard, h in sorted(headers.items())},
+    }
+    fp = hashlib.sha256(json.dumps(parts, sort_keys=True).encode())
     return CastPlan(
         source=source,
         config=config,
@@ -259,6 +279,7 @@ def plan_cast(source: Path, *, w4a4: bool = False, trim_a_log: bool = False, too
         exclude_modules=exclude,
         side_files=side_files,
         fingerprint=fp.hexdigest(),
+        fingerprint_parts=parts,
         total_source_bytes=sum(h.file_size for h in headers.values()),
         w4a4=w4a4,
         trim_a_log=trim_a_log,

@@ -232,11 +232,42 @@ def test_resume_after_interruption_is_byte_identical(source, cast_run, tmp_path,
     assert {k: v for k, v in _tree_hash(out).items() if k not in skip} == {
         k: v for k, v in _tree_hash(ref).items() if k not in skip
     }
-    # A finished output is not overwritten without --overwrite; with it, it is redone.
+    # The same command on the finished output: nothing is cast again; --verify proves it again.
+    capsys.readouterr()
+    before = _tree_hash(out)
+    monkeypatch.setattr(convert_mod, "cast_shard", crash_on_second)  # would fail if anything were cast
+    calls.clear()
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "already a finished cast" in printed and "verified again" in printed and "Verify" in printed and "PASSED" in printed
+    assert calls == []
+    assert {k: v for k, v in _tree_hash(out).items() if k not in skip} == {k: v for k, v in before.items() if k not in skip}
+    # Other options: refused, saying which one; with --overwrite it is redone.
+    monkeypatch.setattr(convert_mod, "cast_shard", real)
+    assert main(args + ["--w4a4"]) == 1
+    err = capsys.readouterr().err
+    assert "a finished cast of other inputs (option --w4a4 was off, now on)" in err and "--overwrite" in err
+    assert main(args + ["--overwrite"]) == 0
+
+
+def test_refused_resume_names_the_changed_source_file(source, tmp_path, capsys):
+    """A finished or interrupted cast of a source that has changed since is refused, and the
+    error names the file that changed (hyphenated flags, as every other tool of the project)."""
+    import os
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    out = tmp_path / "out"
+    args = ["--source-ckpt", str(src), "--output-ckpt", str(out), "--workers", "1", "--no-progress"]
+    assert main(args) == 0
+    shard = sorted(src.glob("*.safetensors"))[1]
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten since (same bytes)
     capsys.readouterr()
     assert main(args) == 1
-    assert "--overwrite" in capsys.readouterr().err
-    assert main(args + ["--overwrite"]) == 0
+    err = capsys.readouterr().err
+    assert f"source {shard.name} changed" in err and "a finished cast of other inputs" in err
 
 
 @pytest.mark.parametrize("tamper", ["scale", "nibble"])
@@ -355,3 +386,34 @@ def test_verify_sample_decoders_match_the_format_codecs(scale_2):
                                       torch.tensor(scale_2, dtype=torch.float32)).numpy()
     assert np.array_equal(dequantize_rows_mxfp4(packed, e8m0).view(np.int32), ref_mx.view(np.int32))
     assert np.array_equal(dequantize_rows_nvfp4(packed, e4m3, scale_2).view(np.int32), ref_nv.view(np.int32))
+
+
+def test_summary_says_what_out_of_window_blocks_are():
+    """Blocks outside the 17-binade window that stayed exact (all-zero blocks) are not reported as
+    a contradiction of a 100% bit-exact cast."""
+    from k3nvfp4.checkpoint.convert import _window_line
+
+    s = {"blocks": 10_000, "exact_blocks": 10_000, "out_of_range_blocks": 707, "zero_exponent_blocks": 707}
+    assert _window_line(s) == ("707 blocks re-quantized: 707 still exact (all-zero blocks, 707 with exponent 0, "
+                               "are exact in any scale), 0 lossy")
+    assert _window_line({**s, "exact_blocks": 9_990}).endswith("697 still exact (all-zero blocks, 707 with exponent 0, "
+                                                               "are exact in any scale), 10 lossy")
+    assert _window_line({**s, "out_of_range_blocks": 0}) == "none: every block cast in closed form"
+
+
+def test_progress_bars_end_at_100_percent_in_a_log(source, tmp_path, capsys):
+    """Not a terminal (captured stderr, as in a log file): every bar's last line reads 100%, the
+    verify bar too (its byte total is an estimate for the groups verified after the cast)."""
+    import re
+
+    out = tmp_path / "out"
+    assert main(["--source-ckpt", str(source), "--output-ckpt", str(out), "--workers", "1", "--verify"]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in re.split(r"[\r\n]+", err) if re.match(r"\s*(cast|verify):", ln)]
+    assert lines, err[-2000:]
+    last = {}
+    for ln in lines:
+        last[ln.split(":", 1)[0].strip()] = ln
+    assert set(last) <= {"cast", "verify"} and "cast" in last
+    for name, ln in last.items():
+        assert "100%" in ln, (name, ln)
