@@ -68,6 +68,7 @@ def test_wheel_build_prints_no_project_warning(tmp_path):
         ["k3nvfp4.demo", "--help"],
         ["k3nvfp4.kernels.tune", "--help"],
         ["k3nvfp4.sglang_ext.ab.cli", "--help"],
+        ["k3nvfp4.sglang_ext.launch", "--nnodes", "1", "--tp", "8"],
     ],
     ids=lambda a: a[0],
 )  # fmt: skip

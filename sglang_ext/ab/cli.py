@@ -62,8 +62,11 @@ def _add_serve(sub) -> None:
                    help="an endpoint, twice; the first is the baseline (e.g. marlin=http://host:30000)")
     p.add_argument("--print-launch", action="store_true", help="print the expected sglang launch commands and exit")
     p.add_argument("--model-path", default="/path/to/kimi-k3-nvfp4", help="checkpoint shown in --print-launch")
-    p.add_argument("--tp", type=int, default=8, help="tensor parallel size shown in --print-launch")
-    p.add_argument("--extra-args", default="", help="flags appended to both launch commands (e.g. multi-node flags)")
+    p.add_argument("--tp", type=int, default=16, help="tensor-parallel size in --print-launch (default 16: K3 does "
+                                                       "not fit 8 GPUs)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size in --print-launch (default: none)")
+    p.add_argument("--nnodes", type=int, default=2, help="nodes the ranks span, in --print-launch (default 2)")
+    p.add_argument("--extra-args", default="", help="flags appended to both launch commands")
     p.add_argument("--model", default=None, help="model name sent in requests (default: each server's first /v1/models id)")
     p.add_argument("--prompts", default=None, help="prompt JSONL (default: built-in arithmetic + multiple-choice set)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
@@ -84,7 +87,12 @@ def _serve(args) -> int:
     from .serve import ServeConfig, launch_commands, run_serve_ab, summary_markdown
 
     if args.print_launch or not args.arm:
-        for name, cmd in launch_commands(args.model_path, tp=args.tp, extra_args=args.extra_args).items():
+        try:
+            cmds = launch_commands(args.model_path, tp=args.tp, ep=args.ep, nnodes=args.nnodes,
+                                   extra_args=args.extra_args)
+        except ValueError as e:
+            raise ABError(f"serve --print-launch: {e}") from e
+        for name, cmd in cmds.items():
             print(f"# {name}\n{cmd}\n")
         if not args.arm:
             print("Then: k3nvfp4-ab serve --arm marlin=http://HOST:30000 --arm triton_situ=http://HOST:30001 --out DIR")

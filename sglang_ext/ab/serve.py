@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,22 +27,18 @@ from .serve_metrics import pass_at_1, summarize_agreements, token_agreement
 DEFAULT_PORTS = {"marlin": 30000, "triton_situ": 30001}
 
 
-def launch_commands(model_path: str = "/path/to/kimi-k3-nvfp4", *, tp: int = 8, host: str = "0.0.0.0",
-                    extra_args: str = "") -> dict[str, str]:
-    """The two sglang launch commands the serve A/B expects: one server per MoE backend, same
-    NVFP4 checkpoint, same flags except --moe-runner-backend and the port. extra_args is appended
-    to both (e.g. multi-node flags). Both load the k3nvfp4 plugin: it registers triton_situ, and
-    with SGLang 0.5.23 it is also what lets NVFP4 marlin past the activation assert for situ."""
-    common = (f"--model-path {model_path} --trust-remote-code --tp-size {tp} "
-              "--mem-fraction-static 0.85 --watchdog-timeout 3600 --dist-timeout 3600 "
-              "--reasoning-parser kimi_k3 --tool-call-parser kimi_k3 "
-              f"--host {host}" + (f" {extra_args.strip()}" if extra_args.strip() else ""))
-    return {
-        "marlin": (f"SGLANG_PLUGINS=k3nvfp4 python -m sglang.launch_server {common} "
-                   f"--moe-runner-backend marlin --port {DEFAULT_PORTS['marlin']}"),
-        "triton_situ": (f"SGLANG_PLUGINS=k3nvfp4 python -m sglang.launch_server {common} "
-                        f"--moe-runner-backend triton_situ --port {DEFAULT_PORTS['triton_situ']}"),
-    }
+def launch_commands(model_path: str = "/path/to/kimi-k3-nvfp4", *, tp: int = 16, ep: int | None = None,
+                    nnodes: int = 2, host: str = "0.0.0.0", extra_args: str = "") -> dict[str, str]:
+    """The two sglang launch commands the serve A/B expects: one server per MoE backend, the
+    production launch (k3nvfp4.sglang_ext.launch) of the same checkpoint, differing only in
+    --moe-runner-backend and the port. extra_args is appended to both. Both load the k3nvfp4
+    plugin: it registers triton_situ, and with SGLang 0.5.23 it is also what lets NVFP4 marlin
+    past the activation assert for situ."""
+    from ..launch import LaunchSpec, one_line
+
+    extra = tuple(shlex.split(extra_args))
+    return {name: one_line(LaunchSpec(model_path, name, tp, ep, nnodes, host, port, extra_args=extra))
+            for name, port in DEFAULT_PORTS.items()}
 
 
 @dataclass
