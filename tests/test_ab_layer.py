@@ -106,6 +106,26 @@ def test_layer_ab_cpu_reference_triton_marlin_unavailable(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_arm_whose_code_does_not_import_is_not_available(monkeypatch):
+    """An arm whose module is missing from the install (a wheel that dropped a subpackage used
+    to end the run in a traceback) is reported "not available: <reason>"; the others run."""
+    from k3nvfp4.sglang_ext.ab import layer as layer_mod
+
+    real = layer_mod.build_arm
+
+    def build(name, *a, **kw):
+        if name == "triton_situ:mxfp8":
+            raise ModuleNotFoundError("No module named 'k3nvfp4.kernels.moe_fp4_details'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(layer_mod, "build_arm", build)
+    rep = run_layer_ab(LayerABConfig(out_dir=None, synthetic=True, num_experts=4, hidden_size=64, intermediate_size=32,
+                                     top_k=2, tokens=4, seed=0, arms=("reference", "triton_situ:mxfp8")))
+    st = rep.arm("triton_situ:mxfp8").status
+    assert st == "not available: ModuleNotFoundError: No module named 'k3nvfp4.kernels.moe_fp4_details'"
+    assert rep.arm("reference").ok
+
+
 def test_layer_cli_activation_file_reference_only(tmp_path, capsys):
     ex = synthetic_layer(4, 64, 32, top_k=2, seed=0)
     r = realistic_routed_inputs(5, 64, 4, 2, seed=9)

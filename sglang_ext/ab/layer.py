@@ -188,6 +188,9 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
         except ArmUnavailable as e:
             results.append(ArmResult(name, f"not available: {e}"))
             continue
+        except ImportError as e:  # the arm's code is missing from this install (e.g. a wheel without it)
+            results.append(ArmResult(name, f"not available: {type(e).__name__}: {e}"))
+            continue
         try:
             out, times = _time(run, x, tw, ids, device, repeats)
         except Exception as e:  # noqa: BLE001 - a crashing arm is reported, the others still run
