@@ -45,6 +45,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d /tmp/k3nvfp4_gpu_check.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT  # scratch only: everything kept is under $OUT
 LOG=$OUT/gpu_check.log
 STEPS=$WORK/steps.tsv
 : >"$LOG"
@@ -119,21 +120,27 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
     summary["targets"] = r.get("targets", [])
     summary["bench_marlin"] = {"status": r.get("other_implementations", {}).get("sglang_marlin_nvfp4"),
                                "checks": {k: v.get("marlin") for k, v in r.get("shapes", {}).items()}}
+    on_gpu = "cpu" not in str(r.get("device", "")).lower()
+
+    def fig(v, nd):  # a rounded figure, or None where there is none (no GPU: CPU wall clock is no figure)
+        return round(v, nd) if on_gpu and isinstance(v, (int, float)) and v == v else None
+
     for pt in r.get("points", []):
         o = pt.get("ours", {})
         m = pt.get("sglang_marlin_nvfp4")
-        head.append({"shape": pt["shape"], "M": pt["M"], "us": round(o.get("time_us", float("nan")), 1),
-                     "pct_bw": round(o.get("pct_bw", float("nan")), 1), "TFLOPs": round(o.get("TFLOPs", float("nan")), 1),
-                     "x_bf16": round(pt.get("speedup_vs_bf16", float("nan")), 2), "error": pt.get("error"),
-                     "marlin_us": round(m["time_us"], 1) if isinstance(m, dict) else None,
-                     "x_marlin": round(pt["x_vs_marlin"], 2) if "x_vs_marlin" in pt else None})
+        head.append({"shape": pt["shape"], "M": pt["M"], "us": fig(o.get("time_us"), 1),
+                     "pct_bw": fig(o.get("pct_bw"), 1), "TFLOPs": fig(o.get("TFLOPs"), 1),
+                     "speedup_vs_bf16": fig(pt.get("speedup_vs_bf16"), 2), "error": pt.get("error"),
+                     "marlin_us": fig(m["time_us"], 1) if isinstance(m, dict) else None,
+                     "speedup_vs_marlin": fig(pt.get("x_vs_marlin"), 2)})
 gp = os.path.join(out, "graph.json")
 if os.path.exists(gp):
     g = json.load(open(gp))
     summary["graph"] = {"passed": g.get("passed"), "tp16_M1_replay_us": g.get("tp16_M1_replay_us"),
                         "tp16_M1_meets_target": g.get("tp16_M1_meets_target"), "errors": len(g.get("errors", [])),
-                        "points": [{k: p.get(k) for k in ("shape", "M", "launches", "replay_us", "replay_warm_us",
-                                                          "eager_us", "replay_equals_eager")} for p in g.get("points", [])]}
+                        "points": [{k: (round(p[k], 1) if isinstance(p.get(k), float) else p.get(k))
+                                    for k in ("shape", "M", "launches", "replay_us", "replay_warm_us", "eager_us",
+                                              "replay_equals_eager")} for p in g.get("points", [])]}
 ml = os.path.join(out, "marlin-lib.json")
 if os.path.exists(ml):
     lib = json.load(open(ml))
@@ -156,10 +163,16 @@ for s in steps:
     print(f"{s['name']:<15} exit {s['exit']:>3} {s['seconds']:>4}s / {s['limit_s']}s" + ("  TIMED OUT" if s["timed_out"] else ""))
 for k, v in summary["tests"].items():
     print(f"pytest {k}: {v}")
+def na(v, unit=""):
+    return "n/a" if v is None else f"{v}{unit}"
+
+
 for h in head:
-    print(f"{h['shape']:<5} M={h['M']:>6} {h['us']:>9} us {h['pct_bw']:>5}% bw {h['TFLOPs']:>6} TFLOP/s x{h['x_bf16']} vs bf16"
+    print(f"{h['shape']:<5} M={h['M']:>6} {na(h['us'], ' us'):>12} {na(h['pct_bw'], '%'):>6} of HBM "
+          f"{na(h['TFLOPs'], ' TFLOP/s'):>14}, speedup vs bf16 {na(h['speedup_vs_bf16'])}"
           + (f" (model predicts {h['predicted_us']} us)" if h.get("predicted_us") else "")
-          + (f" | marlin {h['marlin_us']} us, x{h['x_marlin']}" if h.get("x_marlin") is not None else "")
+          + (f" | marlin {na(h['marlin_us'], ' us')}, speedup vs marlin {na(h['speedup_vs_marlin'])}"
+             if h.get("marlin_us") is not None or h.get("speedup_vs_marlin") is not None else "")
           + (f"  ERROR {h['error']}" if h["error"] else ""))
 for t in summary.get("targets", []):
     print(f"target {t['target']}: {t['verdict']} ({t['measured']})")
