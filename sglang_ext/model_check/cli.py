@@ -1,6 +1,7 @@
 """``python -P -m k3nvfp4.sglang_ext.selfcheck --model CKPT``: the model-class self-check.
 
-Runs SGLang 0.5.23's own loader path and Kimi-K3 model class on a cast checkpoint (see
+Runs SGLang 0.5.23's own loader path and Kimi-K3 model class on a checkpoint, cast NVFP4 or the
+MXFP4 release (see
 :mod:`k3nvfp4.sglang_ext.model_check`), prints one summary per check and exits 0 only when
 every check holds. On a machine without a GPU the fused kernels run in the Triton interpreter
 (the command re-executes itself with TRITON_INTERPRET=1).
@@ -18,7 +19,8 @@ PROG = "python -P -m k3nvfp4.sglang_ext.selfcheck"
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", type=Path, action="append", metavar="CKPT",
-                    help="cast checkpoint directory (k3nvfp4-cast output); repeat for several")  # fmt: skip
+                    help="checkpoint directory: a ModelOpt NVFP4 checkpoint (k3nvfp4-cast output) or Kimi-K3's "
+                         "MXFP4 release (compressed-tensors); repeat for several")  # fmt: skip
     ap.add_argument("--parallel", default="1x1", metavar="TPxEP[,TPxEP...]",
                     help="layouts to check, e.g. 1x1,2x1,2x2 (TP2 EP1, TP2 EP2); a world of N ranks runs in "
                          "N spawned processes (gloo on CPU, NCCL with one GPU per rank)")  # fmt: skip
@@ -94,7 +96,7 @@ def main(argv: Sequence[str] | None = None, ap: argparse.ArgumentParser | None =
         ap.error("--model CKPT is required for the model-class check")
     for m in args.model:
         if not (m / "config.json").is_file():
-            ap.error(f"--model {m}: no config.json there (expected a k3nvfp4-cast output directory)")
+            ap.error(f"--model {m}: no config.json there (expected a k3nvfp4-cast output or the MXFP4 release)")
     rsf = None if args.routed_scaling_factor == "keep" else float(args.routed_scaling_factor)
     options = [
         CheckOptions(ckpt=m.resolve(), tp_size=tp, ep_size=ep, num_layers=args.layers, routed_scaling_factor=rsf,
@@ -108,6 +110,12 @@ def main(argv: Sequence[str] | None = None, ap: argparse.ArgumentParser | None =
         return 2
     for run in runs:
         print(summary(run))
+    from . import noise
+
+    said = [m for run in runs for r in run["ranks"] for m in r.get("sglang_known_messages", [])]
+    if said:
+        print("SGLang messages filtered from the output (known; they do not concern this check):")
+        print("\n".join(noise.explain(said)))
     ok = all(r["ok"] for r in runs)
     if args.json:
         from ...common.files import write_json_atomic

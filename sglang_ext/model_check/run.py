@@ -160,6 +160,9 @@ def _coverage(reader, landed: set[str], log, results, beyond) -> tuple[dict[str,
 
 def check_rank(opts: CheckOptions, *, rank: int = 0, world_size: int = 1, port: int | None = None) -> dict[str, Any]:
     """The whole check on this rank (this process joins a ``world_size``-rank group)."""
+    from . import noise
+
+    noise.install()  # before SGLang is imported: its known start-up messages are listed, not printed
     from .ckpt_reader import CheckpointReader, read_config
     from .expert_format import expert_format
     from .expected import check_params, plan_params, poison
@@ -262,6 +265,7 @@ def check_rank(opts: CheckOptions, *, rank: int = 0, world_size: int = 1, port: 
         "moe_layers": moe_info,
         "forward": fwd,
         "timings_s": {k: round(v, 2) for k, v in times.items()},
+        "sglang_known_messages": noise.seen(),
         "problems": problems,
         "ok": not problems,
     }  # fmt: skip
