@@ -667,8 +667,8 @@ def evaluate_targets(points: list[dict]) -> list[dict]:
 
     add(">= 70% of 4.8 TB/s at M=64..1024 (tp16)", pts("tp16", 64, 1024),
         lambda p: f"{p['ours']['pct_bw']:.1f}%", lambda p: p["ours"]["pct_bw"] >= 70)
-    add("<= 12 us per call at M=1 (tp16)", pts("tp16", 1, 1),
-        lambda p: f"{p['ours']['time_us']:.1f} us", lambda p: p["ours"]["time_us"] <= 12)
+    add("<= 15 us per call at M=1 (tp16)", pts("tp16", 1, 1),  # issue 9's target, as bench_graph.py's
+        lambda p: f"{p['ours']['time_us']:.1f} us", lambda p: p["ours"]["time_us"] <= 15)
     add(">= 55% of bf16 peak at M=16384 (ep16)", pts("ep16", 16384, 16384),
         lambda p: f"{p['ours']['pct_bf16_peak']:.1f}%", lambda p: p["ours"]["pct_bf16_peak"] >= 55)
     for shape in ("tp16", "ep16"):

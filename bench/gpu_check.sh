@@ -136,7 +136,7 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
 gp = os.path.join(out, "graph.json")
 if os.path.exists(gp):
     g = json.load(open(gp))
-    summary["graph"] = {"passed": g.get("passed"), "tp16_M1_replay_us": g.get("tp16_M1_replay_us"),
+    summary["graph"] = {"passed": g.get("passed"), "device": g.get("device"), "tp16_M1_replay_us": g.get("tp16_M1_replay_us"),
                         "tp16_M1_meets_target": g.get("tp16_M1_meets_target"), "errors": len(g.get("errors", [])),
                         "points": [{k: (round(p[k], 1) if isinstance(p.get(k), float) else p.get(k))
                                     for k in ("shape", "M", "launches", "replay_us", "replay_warm_us", "eager_us",
@@ -176,9 +176,11 @@ for h in head:
           + (f"  ERROR {h['error']}" if h["error"] else ""))
 for t in summary.get("targets", []):
     print(f"target {t['target']}: {t['verdict']} ({t['measured']})")
+graph_on_gpu = "cpu" not in str((summary.get("graph") or {}).get("device", "")).lower()
 for p in (summary.get("graph") or {}).get("points", []):
-    print(f"graph {p['shape']:<5} M={p['M']:>3}: {p['launches']} launches, replay {p.get('replay_us')} us "
-          f"(warm {p.get('replay_warm_us')}, eager {p.get('eager_us')}), replay == eager {p.get('replay_equals_eager')}")
+    t = {k: (na(p.get(k), " us") if graph_on_gpu else "n/a") for k in ("replay_us", "replay_warm_us", "eager_us")}
+    print(f"graph {p['shape']:<5} M={p['M']:>3}: {p['launches']} launches, replay {t['replay_us']} "
+          f"(warm {t['replay_warm_us']}, eager {t['eager_us']}), replay == eager {p.get('replay_equals_eager')}")
 if summary.get("marlin_lib"):
     print("marlin library:", summary["marlin_lib"])
 if summary.get("bench_marlin"):
