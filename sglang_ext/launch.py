@@ -1,9 +1,10 @@
 """The SGLang launch command for Kimi-K3 with this project's plugin: one source of truth.
 
-The README's launch blocks, ``k3nvfp4-ab serve --print-launch`` and ``python -m
-k3nvfp4.sglang_ext.launch`` are all generated here (a test checks the README against it). The
-flags are the model card's 2-node TP16 command; what changes for ``triton_situ`` is the backend,
-and the model card's patches become environment variables the plugin reads:
+The launch blocks of README.md, docs/serving.md and docs/ab.md (``README_FILES``), ``k3nvfp4-ab
+serve --print-launch`` and ``python -m k3nvfp4.sglang_ext.launch`` are all generated here
+(tests/test_launch_command.py checks every block against it). The flags are the model card's
+2-node TP16 command; what changes for ``triton_situ`` is the backend, and the model card's
+patches become environment variables the plugin reads:
 
 - ``K3NVFP4_LOAD_TIMEOUT_S=3600``: SGLang's 480 s unbalanced-loading timeout aborts a 1.6 TB load
   on network storage (the model card's requirement 3).
@@ -14,6 +15,7 @@ and the model card's patches become environment variables the plugin reads:
 
     python -P -m k3nvfp4.sglang_ext.launch                     # TP16 over 2 nodes, triton_situ
     python -P -m k3nvfp4.sglang_ext.launch --backend marlin --ep 16 --model-path /models/k3
+    python -P -m k3nvfp4.sglang_ext.launch --write-readme .    # regenerate the documents' blocks
 """
 
 from __future__ import annotations
@@ -113,14 +115,23 @@ def one_line(spec: LaunchSpec) -> str:
     return " ".join(env + ["python", "-m", "sglang.launch_server", *args])
 
 
-# The README's generated launch blocks: marker name -> spec (tests/test_launch_command.py keeps
-# README.md equal to what these generate: `python -P -m k3nvfp4.sglang_ext.launch --write-readme`).
+# The documents' generated launch blocks: marker name -> spec. Each block sits between
+# ``<!-- launch:NAME:begin -->`` and ``<!-- launch:NAME:end -->`` in the one file README_FILES
+# names for it; tests/test_launch_command.py keeps every block equal to what is generated here
+# (`python -P -m k3nvfp4.sglang_ext.launch --write-readme .` regenerates them).
 README_BLOCKS = {
     "nvfp4": LaunchSpec(),
-    "mxfp4-release": LaunchSpec(model_path="/path/to/kimi-k3-mxfp4-release"),
     "ep16": LaunchSpec(ep=16),
+    "mxfp4-release": LaunchSpec(model_path="/path/to/kimi-k3-mxfp4-release"),
 }
-PRINT_LAUNCH_EXAMPLE = {"model_path": "/models/kimi-k3-nvfp4"}  # the README's `serve --print-launch` example
+PRINT_LAUNCH_EXAMPLE = {"model_path": "/models/kimi-k3-nvfp4"}  # docs/ab.md's `serve --print-launch` example
+BLOCK_NAMES = (*README_BLOCKS, "print-launch")
+# File (relative to the repository root) -> the blocks it holds; every name of BLOCK_NAMES once.
+README_FILES = {
+    "README.md": ("nvfp4",),
+    "docs/serving.md": ("ep16", "mxfp4-release"),
+    "docs/ab.md": ("print-launch",),
+}
 
 
 def readme_block(name: str) -> str:
@@ -132,22 +143,44 @@ def readme_block(name: str) -> str:
     return "```bash\n" + launch_command(README_BLOCKS[name]) + "\n```\n"
 
 
-def write_readme(path) -> None:
-    """Regenerate every launch block of the README at ``path``."""
+def markers(name: str) -> tuple[str, str]:
+    """The begin line (with its newline) and the end marker of block ``name``."""
+    return f"<!-- launch:{name}:begin -->\n", f"<!-- launch:{name}:end -->"
+
+
+def block_text(text: str, name: str) -> str | None:
+    """What ``text`` holds between the markers of block ``name`` (None: no markers)."""
+    begin, end = markers(name)
+    if begin not in text or end not in text.split(begin, 1)[1]:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def write_readme(repo_root=".") -> list:
+    """Regenerate every launch block in every file of ``README_FILES`` under ``repo_root``.
+    Returns the files rewritten. A missing file, or a file without the markers of one of its
+    blocks, stops with a message naming both, before any file is written."""
     from pathlib import Path
 
     from k3nvfp4.common.files import write_text_atomic
 
-    path = Path(path)
-    text = path.read_text()
-    for name in (*README_BLOCKS, "print-launch"):
-        begin, end = f"<!-- launch:{name}:begin -->\n", f"<!-- launch:{name}:end -->"
-        if begin not in text or end not in text:
-            raise SystemExit(f"{path}: markers {begin.strip()} / {end} not found")
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        text = head + begin + readme_block(name) + end + tail
-    write_text_atomic(path, text)
+    texts = {}
+    for rel, names in README_FILES.items():
+        path = Path(repo_root) / rel
+        if not path.is_file():
+            raise SystemExit(f"{path}: not found (--write-readme takes the repository root)")
+        text = path.read_text()
+        for name in names:
+            begin, end = markers(name)
+            if block_text(text, name) is None:
+                raise SystemExit(f"{path}: markers {begin.strip()} / {end} not found")
+            head, rest = text.split(begin, 1)
+            _, tail = rest.split(end, 1)
+            text = head + begin + readme_block(name) + end + tail
+        texts[path] = text
+    for path, text in texts.items():
+        write_text_atomic(path, text)
+    return list(texts)
 
 
 def main(argv=None) -> int:
@@ -161,11 +194,13 @@ def main(argv=None) -> int:
     p.add_argument("--nnodes", type=int, default=d.nnodes, help=f"nodes (default: {d.nnodes})")
     p.add_argument("--port", type=int, default=d.port, help=f"port (default: {d.port})")
     p.add_argument("--one-line", action="store_true", help="one line, environment inline")
-    p.add_argument("--write-readme", metavar="README", default=None,
-                   help="regenerate the launch blocks of this README file and exit")
+    p.add_argument("--write-readme", metavar="REPO", nargs="?", const=".", default=None,
+                   help=f"regenerate the launch blocks of {', '.join(README_FILES)} under this "
+                        "repository root (default: the current directory) and exit")
     args = p.parse_args(argv)
-    if args.write_readme:
-        write_readme(args.write_readme)
+    if args.write_readme is not None:
+        for path in write_readme(args.write_readme):
+            print(f"updated {path}")
         return 0
     try:
         spec = LaunchSpec(args.model_path, args.backend, args.tp, args.ep, args.nnodes, port=args.port)

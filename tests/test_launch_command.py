@@ -1,5 +1,6 @@
-"""One production launch command (k3nvfp4.sglang_ext.launch): the README's launch blocks and
-`k3nvfp4-ab serve --print-launch` come from it, and it carries what K3 needs to load."""
+"""One production launch command (k3nvfp4.sglang_ext.launch): the launch blocks of README.md and
+docs/ (launch.README_FILES) and `k3nvfp4-ab serve --print-launch` come from it, and it carries
+what K3 needs to load."""
 
 from __future__ import annotations
 
@@ -15,15 +16,42 @@ from k3nvfp4.sglang_ext.launch import LaunchSpec
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", [*launch.README_BLOCKS, "print-launch"])
-def test_readme_blocks_are_generated(name):
-    text = (REPO / "README.md").read_text()
-    begin, end = f"<!-- launch:{name}:begin -->\n", f"<!-- launch:{name}:end -->"
-    assert begin in text and end in text, f"README.md lacks the {name} launch block"
-    block = text.split(begin, 1)[1].split(end, 1)[0]
+BLOCKS = [(rel, name) for rel, names in launch.README_FILES.items() for name in names]
+
+
+def test_every_block_lives_in_one_file():
+    names = [name for _, name in BLOCKS]
+    assert sorted(names) == sorted(launch.BLOCK_NAMES), "README_FILES must name every block exactly once"
+    for rel in launch.README_FILES:  # no stale copy of another file's block
+        text = (REPO / rel).read_text()
+        for name in launch.BLOCK_NAMES:
+            if name not in launch.README_FILES[rel]:
+                assert f"<!-- launch:{name}:" not in text, f"{rel} holds the {name} block, which lives elsewhere"
+
+
+@pytest.mark.parametrize("rel,name", BLOCKS)
+def test_readme_blocks_are_generated(rel, name):
+    text = (REPO / rel).read_text()
+    block = launch.block_text(text, name)
+    assert block is not None, f"{rel} lacks the {name} launch block"
     assert block == launch.readme_block(name), (
-        "README.md's launch block differs from k3nvfp4.sglang_ext.launch: run "
-        "`python -P -m k3nvfp4.sglang_ext.launch --write-readme README.md`")
+        f"{rel}'s {name} launch block differs from k3nvfp4.sglang_ext.launch: run "
+        "`python -P -m k3nvfp4.sglang_ext.launch --write-readme .` in the repository root")
+
+
+def test_write_readme_regenerates_every_file(tmp_path):
+    for rel, names in launch.README_FILES.items():
+        stale = "".join(f"before\n<!-- launch:{n}:begin -->\nstale\n<!-- launch:{n}:end -->\nafter\n" for n in names)
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(stale)
+    assert launch.main(["--write-readme", str(tmp_path)]) == 0
+    for rel, name in BLOCKS:
+        text = (tmp_path / rel).read_text()
+        assert launch.block_text(text, name) == launch.readme_block(name)
+        assert "stale" not in text and text.startswith("before\n") and text.endswith("after\n")
+    (tmp_path / "docs" / "ab.md").write_text("no markers\n")
+    with pytest.raises(SystemExit, match="ab.md: markers <!-- launch:print-launch:begin -->"):
+        launch.write_readme(tmp_path)
 
 
 def test_production_launch_carries_what_k3_needs():
