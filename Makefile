@@ -15,12 +15,12 @@ $(VENV)/bin/python:
 	$(PY) -m pip install -q --upgrade pip
 
 # Core + test extras: enough for the cast, the kernels (Triton interpreter on CPU) and the demo.
-$(VENV)/.core-installed: pyproject.toml | $(VENV)/bin/python
+$(VENV)/.core-installed: pyproject.toml setup.py | $(VENV)/bin/python
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
 # Everything, including SGLang 0.5.23 for the plugin tests (about 5 minutes, 11 GB).
-$(VENV)/.all-installed: pyproject.toml | $(VENV)/bin/python
+$(VENV)/.all-installed: pyproject.toml setup.py | $(VENV)/bin/python
 	$(PY) -m pip install -q -e ".[sglang,test]"
 	touch $(VENV)/.core-installed $@
 
