@@ -261,6 +261,8 @@ class _Executor:
     """Runs shard tasks on ``workers`` processes: the main process itself plus a spawn pool of
     ``workers - 1``, created once and shared by the cast and verify phases. The main process
     starts working at once, so the pool's start-up (importing torch) is off the critical path.
+    Inside the ``with`` block the main process runs single-threaded torch like the pool processes
+    (_init_worker), or its intra-op threads would contend for the cores the pool is using.
     """
 
     def __init__(self, workers: int, show: bool, main_works: bool = True):
@@ -268,11 +270,15 @@ class _Executor:
         self._pool = None
         self._queue = None
         self._idle = threading.Semaphore(0)  # pool processes that are up and without a task
+        self._threads = None
 
     def __enter__(self) -> "_Executor":
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         return self
 
     def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self._threads)
         if self._pool is not None:
             # Every result is in (or the run failed): a process still importing torch need not finish.
             self._pool.terminate()
@@ -472,30 +478,23 @@ def run_cast(options: CastOptions) -> dict:
         records[r["shard"]] = r
         write_atomic_text(state / f"{r['shard']}.json", json.dumps(r) + "\n")
 
-    # The main process is one of the workers: single-threaded torch like the pool processes
-    # (_init_worker), or its intra-op threads contend for the cores the pool is using.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _Executor(min(options.workers, len(plan.shards)), options.progress, options.main_process_works) as ex:
-            ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), "cast", record)
-            cast_seconds = time.perf_counter() - t0
-            verify_report, verify_seconds = None, 0.0
-            if options.verify:
-                # Shards cast now were verified in-line except their cross-shard groups; shards of
-                # an earlier (resumed) run are verified whole.
-                t1 = time.perf_counter()
-                vres = [records[sp.name]["verify"] for sp in todo]
-                by_name = {sp.name: sp for sp in plan.shards}
-                nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
-                cast_now = {sp.name for sp in todo}
-                full_tasks = [_shard_task(plan, options, sp) for sp in plan.shards if sp.name not in cast_now]
-                for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
-                    if ts:
-                        ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), "verify", vres.append)
-                verify_seconds = time.perf_counter() - t1
-    finally:
-        torch.set_num_threads(threads)
+    with _Executor(min(options.workers, len(plan.shards)), options.progress, options.main_process_works) as ex:
+        ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), "cast", record)
+        cast_seconds = time.perf_counter() - t0
+        verify_report, verify_seconds = None, 0.0
+        if options.verify:
+            # Shards cast now were verified in-line except their cross-shard groups; shards of
+            # an earlier (resumed) run are verified whole.
+            t1 = time.perf_counter()
+            vres = [records[sp.name]["verify"] for sp in todo]
+            by_name = {sp.name: sp for sp in plan.shards}
+            nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
+            cast_now = {sp.name for sp in todo}
+            full_tasks = [_shard_task(plan, options, sp) for sp in plan.shards if sp.name not in cast_now]
+            for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
+                if ts:
+                    ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), "verify", vres.append)
+            verify_seconds = time.perf_counter() - t1
     cast_bytes = sum(sp.source_bytes for sp in todo)
 
     stats = CastStats()
@@ -559,13 +558,8 @@ def _already_done(options: CastOptions, plan: CastPlan, report: dict) -> dict:
         t0 = time.perf_counter()
         tasks = [_shard_task(plan, options, sp) for sp in plan.shards]
         results: list[dict] = []
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with _Executor(min(options.workers, len(tasks)), options.progress, options.main_process_works) as ex:
-                ex.run(verify_full, tasks, sum(t.shard.source_bytes for t in tasks), "verify", results.append)
-        finally:
-            torch.set_num_threads(threads)
+        with _Executor(min(options.workers, len(tasks)), options.progress, options.main_process_works) as ex:
+            ex.run(verify_full, tasks, sum(t.shard.source_bytes for t in tasks), "verify", results.append)
         verify_report = _merge_verify(results, CastStats(**report["stats"]))
         if verify_report["mismatches"]:
             raise CheckpointError("--verify FAILED: " + "; ".join(verify_report["mismatch_examples"])

@@ -31,7 +31,7 @@ sources. The generic part (devices, occupancy, routing, :func:`predict_kernel`) 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 __all__ = [
     "Assumptions", "B200", "CallPrediction", "DEVICES", "Device", "H200", "K3_SHARDS", "KernelPrediction",
@@ -481,8 +481,3 @@ def our_call(device: Device, shard: Shard, M: int, config, costs: dict, assumpti
     launches = routing_launches + (1 if config.atomic_reduce else 0)
     fixed = (a.routing_small_s if small else a.routing_large_s) + launches * a.launch_s
     return CallPrediction("k3nvfp4", device.name, shard.name, M, kernels, routing, fixed, launches)
-
-
-def with_assumptions(**changes) -> Assumptions:
-    """DEFAULT_ASSUMPTIONS with some fields changed (sensitivity runs)."""
-    return replace(DEFAULT_ASSUMPTIONS, **changes)

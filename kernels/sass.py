@@ -20,10 +20,11 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-H200_WARP_INSTR_PER_S = 132 * 4 * 1.98e9
-H200_HBM_BYTES_PER_S = 4.8e12
-H200_FP4_WEIGHTS_PER_S = 2 * H200_HBM_BYTES_PER_S
-HBM_BUDGET = H200_WARP_INSTR_PER_S / H200_FP4_WEIGHTS_PER_S  # ~0.109 warp-instructions per weight
+from .perf_model import H200
+
+# The H200's warp-instruction issue rate over the FP4 weights (2 per byte) its HBM spec streams:
+# ~0.109 warp-instructions per weight (one device record for everything: perf_model.H200).
+HBM_BUDGET = H200.issue_rate / (2 * H200.hbm_bytes_per_s)
 
 # Opcode families of the mix (the base opcode, before the first '.').
 _MMA = {"HGMMA", "HMMA", "UTCHMMA", "UTCQMMA", "UTCOMMA", "QGMMA", "IMMA"}

@@ -421,8 +421,8 @@ def offline_launch_check(shape: "TuneShape", arch: int, device_model=None) -> Ca
     registers over its per-block limits, k3nvfp4.kernels.perf_model.occupancy) or uses local
     memory (register spills), which no shipped config may do. device_model: a perf_model.Device
     (None: the H200 below arch 100, the B200 from 100). Cached per GEMM launch (MoEConfig.gemm)."""
-    from . import perf_model, sass
-    from .moe_details.compile_check import compile_gemm
+    from . import perf_model
+    from .moe_details.compile_check import measure_gemm
 
     if device_model is None:
         device_model = perf_model.B200 if arch >= 100 else perf_model.H200
@@ -433,17 +433,14 @@ def offline_launch_check(shape: "TuneShape", arch: int, device_model=None) -> Ca
             key = cfg.gemm(kind)
             if key not in verdicts:
                 try:
-                    c = compile_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch)
+                    cost = measure_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch)["loop_cost"]
                 except Exception:  # compile errors are reported by the timed run itself
                     return None
-                usage = sass.resource_usage(c.asm["cubin"])
-                regs = max(u.registers for u in usage.values())
-                local = max(u.local_bytes for u in usage.values())
-                ctas, why = perf_model.occupancy(device_model, regs, 32 * key.num_warps, c.metadata.shared)
+                ctas, why = perf_model.occupancy(device_model, cost.registers, 32 * cost.num_warps, cost.shared_bytes)
                 if not ctas:
                     verdicts[key] = f"{kind} cannot launch on {device_model.name}: {why}"
-                elif local:
-                    verdicts[key] = f"{kind} spills {local} bytes of local memory per thread (sm_{arch})"
+                elif cost.local_bytes:
+                    verdicts[key] = f"{kind} spills {cost.local_bytes} bytes of local memory per thread (sm_{arch})"
                 else:
                     verdicts[key] = None
             if verdicts[key]:

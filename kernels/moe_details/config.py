@@ -253,6 +253,10 @@ def heuristic_moe_config(
             tiles.append((t, cost))
         return tiles
 
+    # The reduction is not the model's to choose: atomics only where even one slice's fp32 rows
+    # would not fit, and no split that pushes the rows past the limit.
+    atomic = pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES
+
     def best_gemm(kind: str, block_m: int, routing):
         K = H if kind == "gemm1" else I
         scored = []
@@ -261,13 +265,10 @@ def heuristic_moe_config(
             for split in (1, 2, 4, 8):
                 if split > 1 and -(-steps // split) * (split - 1) >= steps:
                     break  # a slice would be empty
-                # The reduction is not the model's to choose: atomics only where even one slice's
-                # fp32 rows would not fit, and no split that pushes the rows past the limit.
-                atomic = kind == "gemm2" and pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES
                 if kind == "gemm2" and not atomic and split * pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES:
                     break
                 launch = GemmLaunch(kind, block_m, tile.swap_ab, tile.block_n, tile.block_k, split,
-                                    tile.num_warps, tile.num_stages, atomic)
+                                    tile.num_warps, tile.num_stages, kind == "gemm2" and atomic)
                 pred = our_gemm(device, shard, M, launch, cost, routing)
                 if pred.launchable:
                     scored.append((pred.time_s, pred.warp_instructions, split, launch, pred))
