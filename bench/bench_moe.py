@@ -387,9 +387,9 @@ def markdown_table(result: dict) -> str:
 
 
 def bytes_moved(shape: "TuneShape", M: int, distinct: int, act_bytes: int = 2) -> dict:
-    """Bytes one call reads and writes. "nvfp4": what the kernel-native layout reads (nibbles,
-    bf16 block scales: 2 bytes per 16 weights, scale_2); "modelopt_nvfp4": the same weights with
-    E4M3 scales (1 byte per 16), what marlin reads; "bf16": the dequantized baseline."""
+    """Bytes one call reads and writes. "nvfp4": what the kernel-native layout reads (nibbles, one
+    byte per 16-weight block scale, scale_2: the checkpoint's bytes); "modelopt_nvfp4": the same
+    in ModelOpt's tensors, what marlin reads; "bf16": the dequantized baseline."""
     H, I = shape.H, shape.I
 
     def expert_bytes(scale_bytes: int) -> int:
@@ -399,7 +399,7 @@ def bytes_moved(shape: "TuneShape", M: int, distinct: int, act_bytes: int = 2) -
 
     acts = 2 * M * H * act_bytes + M * shape.top_k * 8
     return {
-        "nvfp4": distinct * expert_bytes(2) + acts,
+        "nvfp4": distinct * expert_bytes(1) + acts,
         "modelopt_nvfp4": distinct * expert_bytes(1) + acts,
         "bf16": distinct * 3 * I * H * 2 + acts,
     }
@@ -458,7 +458,7 @@ def main(argv=None) -> int:
         "method": "CUDA events, L2 flushed (256 MiB memset) before each call, median; ours by CUDA-graph "
         "replay when capture works (time_us), eager too (eager_us)" if not cpu else "interpreter, wall clock",
         "definitions": {
-            "bytes": "distinct local experts touched x (w13 + w2 nibbles + bf16 block scales (kernel layout) + scale_2) + activations "
+            "bytes": "distinct local experts touched x (w13 + w2 nibbles + 1-byte block scales + scale_2) + activations "
                      "in and out + topk ids/weights",
             "flops": "2 x valid_routes x (2I*H + I*H); valid_routes = pairs with a local expert id (M*top_k on "
                      "tp16; about M on ep16, the other ranks' routes are not this rank's work)",

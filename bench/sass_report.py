@@ -106,24 +106,36 @@ class Statics:
         self.cache: dict = {}
         self.errors: list[str] = []
 
-    def get(self, kind: str, cfg, shard, arch: int) -> dict:
+    def get(self, kind: str, cfg, shard, arch: int, fmt) -> dict:
         from k3nvfp4.kernels.moe_details.compile_check import measure_gemm
 
-        key = (cfg.gemm(kind), arch, (shard.hidden % cfg.block_k1 == 0, shard.intermediate % cfg.block_k2 == 0))
+        key = (cfg.gemm(kind), arch, (shard.hidden % cfg.block_k1 == 0, shard.intermediate % cfg.block_k2 == 0), fmt.name)
         if key not in self.cache:
             try:
-                self.cache[key] = measure_gemm(kind, cfg, shard.hidden, shard.intermediate, shard.top_k, arch)
+                self.cache[key] = measure_gemm(kind, cfg, shard.hidden, shard.intermediate, shard.top_k, arch,
+                                               scale_fmt=fmt.kernel_id)
             except Exception as e:  # reported in the row, not hidden
                 self.cache[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 self.errors.append(f"sm_{arch} {kind} {cfg.gemm(kind).label()}: {e}")
         return self.cache[key]
 
 
-def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=None) -> list[dict]:
+CHECKPOINTS = ("nvfp4", "mxfp4")  # the cast checkpoint (E5M3_16 layout), the MXFP4 release (E8M0_32)
+
+
+def _scale_format(checkpoint: str):
+    from k3nvfp4.kernels.moe_details.layout import E5M3_16, E8M0_32
+
+    return {"nvfp4": E5M3_16, "mxfp4": E8M0_32}[checkpoint]
+
+
+def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=None, checkpoint: str = "nvfp4"
+             ) -> list[dict]:
     from k3nvfp4.kernels import perf_model as pm
     from k3nvfp4.kernels.moe_details.config import get_moe_config
 
     device = pm.DEVICES[device_name]
+    fmt = _scale_format(checkpoint)
     rows = []
     for sname in shard_names:
         shard = pm.K3_SHARDS[sname]
@@ -131,17 +143,17 @@ def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=
             args = (shard.local_experts, shard.hidden, shard.intermediate, shard.top_k, M)
             if heuristic is None:
                 cfg = get_moe_config(*args, device_name=DEVICE_NAMES[device_name], arch=device.arch,
-                                     num_global_experts=shard.global_experts)
+                                     num_global_experts=shard.global_experts, scale_format=fmt)
             else:
                 cfg = heuristic(*args, arch=device.arch)
-            measured = {kind: statics.get(kind, cfg, shard, device.arch) for kind in ("gemm1", "gemm2")}
-            row = {"implementation": "k3nvfp4", "device": device_name, "arch": device.sm_tag, "shard": sname, "M": M,
-                   "config": cfg.to_dict()}
+            measured = {kind: statics.get(kind, cfg, shard, device.arch, fmt) for kind in ("gemm1", "gemm2")}
+            row = {"implementation": "k3nvfp4", "checkpoint": checkpoint, "device": device_name, "arch": device.sm_tag,
+                   "shard": sname, "M": M, "config": cfg.to_dict()}
             if any("error" in m for m in measured.values()):
                 row["error"] = "; ".join(m["error"] for m in measured.values() if "error" in m)
                 rows.append(row)
                 continue
-            pred = pm.our_call(device, shard, M, cfg, {k: m["loop_cost"] for k, m in measured.items()})
+            pred = pm.our_call(device, shard, M, cfg, {k: m["loop_cost"] for k, m in measured.items()}, fmt=fmt)
             row.update(pred.to_dict())
             budget = pm.loop_budget(M)
             for k, kern in zip(("gemm1", "gemm2"), row["kernels"]):
@@ -234,9 +246,12 @@ def markdown(result: dict) -> str:
         f"{a['hbm_latency_s'] * 1e9:.0f} ns, L2 round trip {a['l2_round_trip_s'] * 1e9:.0f} ns, "
         f"{a['launch_s'] * 1e6:.1f} us per launch (`k3nvfp4.kernels.perf_model.Assumptions`).",
         "",
-        "| device | shard | M | GEMM1 | CTAs/SM | waves | instr/useful w | GEMM2 | CTAs/SM | waves | instr/useful w "
+        "Checkpoint nvfp4: the cast's NVFP4 (our E5M3_16 layout; marlin NVFP4 next to it); mxfp4: the MXFP4 "
+        "release served directly (our E8M0_32 layout; FlashInfer's MXFP4 next to it).",
+        "",
+        "| device | ckpt | shard | M | GEMM1 | CTAs/SM | waves | instr/useful w | GEMM2 | CTAs/SM | waves | instr/useful w "
         "| launches | B/useful w | predicted us | marlin us | FlashInfer us | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     peers = {}
     for sec in ("marlin", "flashinfer"):
@@ -244,20 +259,23 @@ def markdown(result: dict) -> str:
             peers[(sec, r["device"], r["shard"], r["M"])] = r
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['device']} | {r['shard']} | {r['M']} | error: {r['error'][:100]} |" + " |" * 13)
+            lines.append(f"| {r['device']} | {r['checkpoint']} | {r['shard']} | {r['M']} | error: {r['error'][:100]} |"
+                         + " |" * 13)
             continue
         g1, g2 = _kern(r, 0), _kern(r, 1)
-        cells = [r["device"], r["shard"], str(r["M"])]
+        cells = [r["device"], r["checkpoint"], r["shard"], str(r["M"])]
         for g in (g1, g2):
             cells += [g["config"].replace(" s3", "").replace(" sk1", ""), f"{g['ctas_per_sm']} ({g['occupancy_limit']})",
                       f"{g['waves']:.2f}", f"{g['warp_instr_per_useful_weight']:.3f} ({g['bound']})"]
-        mp = peers.get(("marlin", r["device"], r["shard"], r["M"]))
-        fp = peers.get(("flashinfer", r["device"], r["shard"], r["M"]))
+        nv = r["checkpoint"] == "nvfp4"
+        mp = peers.get(("marlin", r["device"], r["shard"], r["M"])) if nv else None
+        fp = peers.get(("flashinfer", r["device"], r["shard"], r["M"])) if not nv else None
         cells += [str(r["launches"]), f"{r['bytes_per_useful_weight']:.3f}", f"{r['time_us']:.1f}",
                   "-" if not mp else ("n/a" if "error" in mp else f"{mp['time_us']:.1f}"),
                   "-" if not fp else ("n/a" if "error" in fp else f"{fp['time_us']:.1f}"),
                   "yes" if r["ok"] else "NO"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *floor_markdown(result["floor"])]
     v = result["marlin"].get("validation") or []
     if v:
         lines += ["", "Marlin under the model against published H200 timings (K3 TP16, SGLang 0.5.14, SiLU; "
@@ -290,6 +308,59 @@ def markdown(result: dict) -> str:
     for e in result["errors"]:
         lines.append(f"\n- {e}")
     return "\n".join(lines) + "\n"
+
+
+def floor_rows(result: dict) -> list[dict]:
+    """Bytes and time per weight at memory speed, per implementation and checkpoint format, on
+    the H200: max(bytes / HBM bandwidth, warp-instructions / issue rate) per useful weight, with
+    the hot loops' instructions per useful weight of the weight GEMMs (median and worst over the
+    shards at M <= 1024: what decode and mid batches stream)."""
+    from statistics import median
+
+    from k3nvfp4.kernels import perf_model as pm
+
+    dev = pm.H200
+    peers = {"marlin": ("nvfp4", 0.5625), "flashinfer": ("mxfp4", 0.53125)}  # their weight streams
+
+    def loops(rows, pick):
+        return [k["warp_instr_per_useful_weight"] for r in rows if "error" not in r and r.get("device", "H200") == "H200"
+                and r["M"] <= 1024 for k in r["kernels"] if pick(k)]
+
+    out = []
+
+    def add(impl, ckpt, bpw, ipw, note=""):
+        if not ipw:
+            return
+        med, worst = median(ipw), max(ipw)
+        t = lambda i: max(bpw / dev.hbm_bytes_per_s, i / dev.issue_rate) * 1e12  # noqa: E731
+        out.append({"implementation": impl, "checkpoint": ckpt, "bytes_per_weight": bpw,
+                    "warp_instr_per_useful_weight_median": round(med, 4), "warp_instr_per_useful_weight_worst": round(worst, 4),
+                    "ps_per_weight_median": round(t(med), 4), "ps_per_weight_worst": round(t(worst), 4), "note": note})
+
+    for ckpt in CHECKPOINTS:
+        rows = [r for r in result["rows"] if r.get("checkpoint") == ckpt]
+        add("k3nvfp4", ckpt, _scale_format(ckpt).bytes_per_weight, loops(rows, lambda k: True))
+    for sec, (ckpt, bpw) in peers.items():
+        ipw = loops(result[sec]["rows"], lambda k: k.get("useful_weights", 0) > 0)
+        add(sec, ckpt, bpw, ipw)
+        if sec == "marlin":  # the MXFP4 release through marlin: E8M0 per 32, the NVFP4 instantiation's loop
+            add(sec, "mxfp4", 0.53125, ipw, "loop of marlin's NVFP4 instantiation")
+    return out
+
+
+def floor_markdown(rows: list[dict]) -> list[str]:
+    from k3nvfp4.kernels import perf_model as pm
+
+    lines = [f"Time per weight at memory speed on the H200 (max(bytes / {pm.H200.hbm_bytes_per_s / 1e12:.1f} TB/s, "
+             f"warp-instructions / {pm.H200.issue_rate / 1e12:.2f}e12 per s); loops of the weight GEMMs at "
+             "M <= 1024, median and worst over the shards):", "",
+             "| implementation | checkpoint | B / weight | instr / useful w (median, worst) | ps / weight (median, worst) | note |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['implementation']} | {r['checkpoint']} | {r['bytes_per_weight']:.5g} | "
+                     f"{r['warp_instr_per_useful_weight_median']:.3f}, {r['warp_instr_per_useful_weight_worst']:.3f} | "
+                     f"{r['ps_per_weight_median']:.3f}, {r['ps_per_weight_worst']:.3f} | {r['note']} |")
+    return lines
 
 
 def write_readme(md: str, path: pathlib.Path) -> None:
@@ -342,7 +413,9 @@ def main(argv=None) -> int:
     statics = Statics()
     rows = []
     for d in devices:
-        rows += our_rows(d, args.shards.split(",") if args.shards else DEVICE_SHARDS[d], m_list, statics, heuristic)
+        for ckpt in CHECKPOINTS if not args.baseline else ("nvfp4",):
+            rows += our_rows(d, args.shards.split(",") if args.shards else DEVICE_SHARDS[d], m_list, statics, heuristic,
+                             ckpt)
     skip = {"available": False, "reason": "--no-peers", "rows": [], "validation": []}
     result = {
         "device": "offline compile and static model (no GPU)",
@@ -358,6 +431,7 @@ def main(argv=None) -> int:
         "flashinfer": skip if args.no_peers or "H200" not in devices else flashinfer_section(m_list),
         "errors": statics.errors,
     }
+    result["floor"] = floor_rows(result)
     if "B200" in devices and not args.baseline:
         result["fp4_modes"] = fp4_mode_rows(100)
     out = pathlib.Path(args.out) if args.out else REPO / "bench" / "results" / "perf-model.json"

@@ -118,7 +118,8 @@ def fused_moe_nvfp4(
         return out if out is not None else torch.empty(0, H, dtype=dtype, device=device)
 
     if config is None:
-        config = get_moe_config(E, H, I, k, M, num_global_experts=num_global_experts)
+        config = get_moe_config(E, H, I, k, M, num_global_experts=num_global_experts,
+                                scale_format=weights.scale_format)
     if deterministic and config.atomic_reduce:
         config = dataclasses.replace(config, atomic_reduce=False)
 
@@ -162,7 +163,8 @@ def fused_moe_nvfp4(
         ACT=act, HAS_LINEAR_BETA=has_lb,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1, SPLIT_K=config.split_k1,
         SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
-        EVEN_K=H % config.block_k1 == 0,
+        EVEN_K=H % config.block_k1 == 0, SCALE_FMT=weights.scale_format.kernel_id,
+        PER_WORD=config.num_warps1 < 4,
         num_warps=config.num_warps1, num_stages=config.num_stages1,
     )
 
@@ -182,7 +184,8 @@ def fused_moe_nvfp4(
         num_pairs, k, E, H, I, scale,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
         SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
-        EVEN_K=I % config.block_k2 == 0, ATOMIC=config.atomic_reduce,
+        EVEN_K=I % config.block_k2 == 0, ATOMIC=config.atomic_reduce, SCALE_FMT=weights.scale_format.kernel_id,
+        PER_WORD=config.num_warps2 < 4,
         num_warps=config.num_warps2, num_stages=config.num_stages2,
     )
     return out

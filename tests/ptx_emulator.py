@@ -3,7 +3,7 @@ asm string the GPU compiles can be checked on a CPU (tests/test_fp4_ptx.py).
 
 Operands follow Triton's ``tl.inline_asm_elementwise`` convention: ``$0 .. $(n_out - 1)`` are the
 outputs, then the inputs in order; the constraint string gives each operand's width ("h" 16-bit,
-"r" 32-bit). Supported: ``.reg`` declarations, ``mov.b32`` (immediate, register, pack
+"r" 32-bit). Supported: ``.reg .b16/.b32`` declarations (writes truncate to the width), ``mov.b32`` (immediate, register, pack
 ``{a, b}`` and unpack), ``and/or/xor/not.b32``, ``lop3.b32``, ``shf.{l,r}.{wrap,clamp}.b32``,
 ``shl/shr.b32``, ``prmt.b32`` (default mode), ``add/sub.{u32,s32}``, ``mad.lo.u32``,
 ``fma.rn.bf16x2`` and ``mul.rn.bf16x2`` (IEEE round to nearest even, subnormals kept, no flush).
@@ -113,6 +113,7 @@ def run(asm: str, constraints: str, inputs: list[int]) -> list[int]:
     if len(inputs) != len(kinds) - n_out:
         raise ValueError(f"{len(kinds) - n_out} inputs expected, got {len(inputs)}")
     regs: dict[str, int] = {}
+    reg_bits: dict[str, int] = {}  # declared .b16 / .b32 registers
     for i, v in enumerate(inputs):
         regs[f"${n_out + i}"] = v & ((1 << width[kinds[n_out + i]]) - 1)
 
@@ -131,7 +132,9 @@ def run(asm: str, constraints: str, inputs: list[int]) -> list[int]:
             if k >= n_out:
                 raise UnsupportedPTX(f"write to input operand {dst}")
             v &= (1 << width[kinds[k]]) - 1
-        regs[dst] = v & M32
+        elif dst not in reg_bits:
+            raise UnsupportedPTX(f"write to undeclared register {dst}")
+        regs[dst] = v & ((1 << reg_bits.get(dst, 32)) - 1)
 
     body = asm.strip()
     if body.startswith("{") and body.endswith("}"):
@@ -141,11 +144,12 @@ def run(asm: str, constraints: str, inputs: list[int]) -> list[int]:
         if not line:
             continue
         if line.startswith(".reg"):
-            m = re.fullmatch(r"\.reg\s+\.b32\s+(.+);", line)
+            m = re.fullmatch(r"\.reg\s+\.b(16|32)\s+(.+);", line)
             if not m:
                 raise UnsupportedPTX(line)
-            for name in m.group(1).split(","):
+            for name in m.group(2).split(","):
                 regs.setdefault(name.strip(), 0)
+                reg_bits[name.strip()] = int(m.group(1))
             continue
         m = _INSTR.match(line)
         if not m:

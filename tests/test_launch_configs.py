@@ -1,5 +1,6 @@
-"""Every launch config the heuristic ships for the K3 shards launches, spills nothing and meets the
-loop budget, compiled offline for sm90 (H200: TP8/16/32, EP8/16/32) and sm100 (B200: TP8/16) with
+"""Every launch config the heuristic ships for the K3 shards, for both checkpoint formats (the
+cast's NVFP4 and the MXFP4 release: the layout's two scale formats), launches, spills nothing and
+meets the loop budget, compiled offline for sm90 (H200: TP8/16/32, EP8/16/32) and sm100 (B200: TP8/16) with
 the Triton that `make test` installs; the static model's tile table matches those compiles.
 
 One subprocess runs bench/sass_report.py without TRITON_INTERPRET (the kernels cannot be compiled
@@ -39,11 +40,11 @@ def test_every_shipped_config_launches_without_spills_within_budget(report):
     from k3nvfp4.kernels import perf_model as pm
 
     sys.path.insert(0, str(REPO / "bench"))
-    from sass_report import DEVICE_SHARDS, known_miss_bound
+    from sass_report import CHECKPOINTS, DEVICE_SHARDS, known_miss_bound
 
     rows = report["rows"]
-    expected = {(d, s, M) for d, shards in DEVICE_SHARDS.items() for s in shards for M in M_LIST}
-    assert {(r["device"], r["shard"], r["M"]) for r in rows} == expected
+    expected = {(d, c, s, M) for d, shards in DEVICE_SHARDS.items() for c in CHECKPOINTS for s in shards for M in M_LIST}
+    assert {(r["device"], r["checkpoint"], r["shard"], r["M"]) for r in rows} == expected
     failures = []
     for r in rows:
         if "error" in r:
@@ -51,7 +52,7 @@ def test_every_shipped_config_launches_without_spills_within_budget(report):
             continue
         for k, kind in zip(r["kernels"], ("gemm1", "gemm2")):
             device = pm.DEVICES[r["device"]]
-            where = f"{r['device']} {r['shard']} M={r['M']} {kind} {k['config']}"
+            where = f"{r['device']} {r['checkpoint']} {r['shard']} M={r['M']} {kind} {k['config']}"
             if not k["launchable"] or k["shared_bytes"] > device.shared_per_block:
                 failures.append(f"{where}: cannot launch ({k['why_not']})")
             if k["local_bytes"]:
@@ -79,8 +80,10 @@ def test_tile_table_matches_the_compiles(report):
     (split-K and K tails change the epilogue: registers and instructions may move a little,
     never the launchability or CTAs per SM the model assumed)."""
     from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.moe_details.layout import E5M3_16, E8M0_32
     from k3nvfp4.kernels.moe_details.tile_costs import Tile, tile_cost
 
+    formats = {"nvfp4": E5M3_16, "mxfp4": E8M0_32}
     for r in report["rows"]:
         if "kernels" not in r:
             continue
@@ -89,9 +92,9 @@ def test_tile_table_matches_the_compiles(report):
         for k, kind, n in zip(r["kernels"], ("gemm1", "gemm2"), ("1", "2")):
             tile = Tile(kind, c["block_m"], c["swap_ab"], c[f"block_n{n}"], c[f"block_k{n}"], c[f"num_warps{n}"],
                         c[f"num_stages{n}"])
-            cost = tile_cost(tile, arch)
-            assert cost is not None, f"{tile.label()} not in the table for sm_{arch}"
-            where = f"{r['device']} {r['shard']} M={r['M']} {tile.label()} sk{c[f'split_k{n}']}"
+            cost = tile_cost(tile, arch, fmt=formats[r["checkpoint"]])
+            assert cost is not None, f"{tile.label()} not in the table for sm_{arch} {r['checkpoint']}"
+            where = f"{r['device']} {r['checkpoint']} {r['shard']} M={r['M']} {tile.label()} sk{c[f'split_k{n}']}"
             assert k["shared_bytes"] <= cost.shared_bytes + 1024, where
             modelled = pm.occupancy(pm.DEVICES[r["device"]], cost.registers, 32 * cost.num_warps, cost.shared_bytes)[0]
             assert k["ctas_per_sm"] >= modelled, where

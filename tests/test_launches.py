@@ -39,10 +39,10 @@ def _uninitialised_weights(E: int, H: int, I: int) -> NVFP4MoEWeights:
     kt1, kt2 = -(-H // 64), -(-I // 64)
     return NVFP4MoEWeights(
         w13=torch.empty(E, 2 * I // 16, kt1, 512, dtype=torch.uint8, device=DEV),
-        w13_scale=torch.empty(E, 2 * I // 16, kt1, 64, dtype=torch.bfloat16, device=DEV),
+        w13_scale=torch.empty(E, 2 * I // 16, kt1, 16, dtype=torch.int32, device=DEV),
         w13_scale_2=torch.empty(E, 2, device=DEV),
         w2=torch.empty(E, H // 16, kt2, 512, dtype=torch.uint8, device=DEV),
-        w2_scale=torch.empty(E, H // 16, kt2, 64, dtype=torch.bfloat16, device=DEV),
+        w2_scale=torch.empty(E, H // 16, kt2, 16, dtype=torch.int32, device=DEV),
         w2_scale_2=torch.empty(E, device=DEV),
         hidden_size=H,
         intermediate_size=I,

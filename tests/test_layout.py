@@ -54,15 +54,60 @@ def test_layout_bits_decode_each_code_in_its_mma_register():
         assert (reg >> (16 * (1 - p))) & 0xFFFF == 0  # the other half is another element: zero here
 
 
-def test_scale_tiles_round_trip_every_finite_e4m3():
+def test_e5m3_bytes_hand_cases():
+    """u = ((e + 22) << 3) | m of 2^e (1 + m/8); the kernel reads bf16 bits (u << 4) | 0x7000,
+    i.e. the scale x 2^119. 1.0: u 176, bits 0x7B00 = 2^119; 448 = 2^8 x 1.75: u 246; the
+    smallest subnormal 2^-9: u 104; 3 x 2^-9 (subnormal 0x03) = 2^-8 x 1.5: u 116."""
+    for code, u in ((0x38, 176), (0x7E, 246), (0x01, 104), (0x03, 116)):
+        scale = torch.full((16, 4), code, dtype=torch.uint8)
+        _, words, exc = layout.pack_nvfp4_scales(torch.zeros(16, 32, dtype=torch.uint8), scale)
+        assert len(exc) == 0
+        w = int(words[0, 0, 0]) & 0xFFFFFFFF
+        assert (w >> 4) & 0xFF == u and (w >> 20) & 0xFF == u  # steps 0 (in place), rows g and g + 8
+        assert ((w & layout.E5M3_16.mask) | layout.E5M3_16.fill) & 0xFFFF == (u << 4) | 0x7000
+        value = torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        assert torch.equal(layout.decode_scale_words(words, 64, layout.E5M3_16), value.expand(16, 4))
+
+
+def test_nvfp4_scales_round_trip_every_e4m3_code_signs_and_zeros():
+    """Every finite E4M3 code (negative and zero scales included) with random nibbles: the
+    kernel's values (decoded scale words x the nibbles it keeps) equal e2m1 x scale exactly,
+    signed zeros included, and unpacking gives the original bytes back; only blocks whose
+    scale is negative, or zero with non-zero magnitudes, are kept aside."""
     finite = torch.tensor([b for b in range(256) if (b & 0x7F) != 0x7F], dtype=torch.uint8)
-    scale = finite[torch.arange(32 * 8) % finite.numel()].reshape(32, 8).view(torch.float8_e4m3fn)
-    tiles = layout.pack_e4m3_scale_tiles(scale)
-    assert tiles.dtype == torch.bfloat16 and tiles.shape == (2, 2, 64)
-    # exactly e4m3 x 2^119 in bf16 (subnormals 2^-9.. and 448 included)
-    assert torch.equal(tiles.float().flatten().sort().values,
-                       (scale.float() * 2.0**119).flatten().sort().values)  # fmt: skip
-    assert torch.equal(layout.unpack_e4m3_scale_tiles(tiles, 128).view(torch.uint8), scale.view(torch.uint8))
+    scale = finite[torch.randperm(32 * 8, generator=torch.Generator().manual_seed(1)) % finite.numel()].reshape(32, 8)
+    packed = _nibbles(32, 64, seed=3)
+    packed[0, :8] = torch.tensor([0x00, 0x08, 0x80, 0x88] * 2, dtype=torch.uint8)  # a sign-only block
+    scale[0, 0] = 0x00
+    scale[1, 0] = 0x80  # -0
+    nib, words, exc = layout.pack_nvfp4_scales(packed, scale.view(torch.float8_e4m3fn), "s")
+    assert words.dtype == torch.int32 and words.shape == (2, 2, 16)
+    kernel = formats.e2m1_to_float(formats.unpack_e2m1(nib)) * layout.decode_scale_words(words, 128, layout.E5M3_16).repeat_interleave(16, -1)
+    want = formats.e2m1_to_float(formats.unpack_e2m1(packed)) * scale.view(torch.float8_e4m3fn).float().repeat_interleave(16, -1)
+    assert torch.equal(kernel, want) and torch.equal(kernel.signbit(), want.signbit())
+    special = (scale >= 0x80) | ((scale == 0) & ((packed.reshape(32, 8, 8) & 0x77).amax(-1) != 0))
+    assert sorted(exc.index.tolist()) == torch.nonzero(special.flatten()).flatten().tolist() and 0 not in exc.index.tolist()
+    back, s_back = layout.unpack_nvfp4_scales(nib, words, exc, 128)
+    assert torch.equal(back, packed) and torch.equal(s_back.view(torch.uint8), scale)
+    assert torch.equal(packed, _nibbles(32, 64, seed=3).index_put_((torch.tensor([0]),), packed[0:1]))  # input kept
+
+
+def test_scale_words_place_pairs_for_one_lop3():
+    """Hand check of a scale word: lane g's word i holds the scales of rows g and g + 8 at K
+    step 2i in place and at step 2i + 1 rotated right by 8 bits (E5M3_16); E8M0_32's word
+    holds 32-block 0 in place and 1 rotated."""
+    codes = torch.zeros(16, 4, dtype=torch.int64)
+    codes[3, 2], codes[11, 2], codes[3, 3], codes[11, 3] = 0x11, 0x22, 0x33, 0x44
+    w = layout._tile_scale_bytes(codes, layout.FP4TileLayout(16, 64), layout.E5M3_16)
+    word = int(w[0, 0, 2 * 3 + 1]) & 0xFFFFFFFF
+    rot = ((word << 8) | (word >> 24)) & 0xFFFFFFFF
+    assert (word & 0x0FF00FF0) == (0x11 << 4) | (0x22 << 20) and (rot & 0x0FF00FF0) == (0x33 << 4) | (0x44 << 20)
+    assert sum(int(x) != 0 for x in w.flatten()) == 1
+    e = torch.zeros(16, 2, dtype=torch.int64)
+    e[5, 0], e[13, 0], e[5, 1], e[13, 1] = 0x81, 0x7E, 0x01, 0xFE
+    word = int(layout._tile_scale_bytes(e, layout.FP4TileLayout(16, 64), layout.E8M0_32)[0, 0, 5]) & 0xFFFFFFFF
+    rot = ((word << 8) | (word >> 24)) & 0xFFFFFFFF
+    assert (word & 0x7F807F80) == (0x81 << 7) | (0x7E << 23) and (rot & 0x7F807F80) == (0x01 << 7) | (0xFE << 23)
 
 
 def test_layout_errors_name_the_tensor():
@@ -70,7 +115,7 @@ def test_layout_errors_name_the_tensor():
         layout.pack_e2m1_tiles(_nibbles(24, 32))
     nan = torch.full((16, 4), 0x7F, dtype=torch.uint8)
     with pytest.raises(ValueError, match="NaN"):
-        layout.pack_e4m3_scale_tiles(nan)
+        layout.pack_nvfp4_scales(torch.zeros(16, 32, dtype=torch.uint8), nan)
     w = random_nvfp4_moe_weights(2, 32, 16).to_modelopt()
     bad = w.w2_scale.clone().view(torch.uint8)
     bad[0, 0, 0] = 0xFF
@@ -87,10 +132,12 @@ def test_from_modelopt_to_modelopt_round_trip(H, I):
     for a, b in zip(canon, again.to_modelopt()):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
                                                   b.view(torch.uint8) if b.dtype != torch.float32 else b)  # fmt: skip
-    # memory: nibbles once (K padded to 64), scales as bf16 (one byte more per 16 weights)
+    # memory: the checkpoint's bytes, K padded to 64: nibbles once, one byte per 16-block scale
     E = 3
     assert again.w13.numel() == E * 2 * I * (-(-H // 64) * 64) // 2
-    assert again.w13_scale.numel() * 2 == 2 * E * 2 * I * (-(-H // 64) * 64) // 16
+    assert again.w13_scale.numel() * 4 == E * 2 * I * (-(-H // 64) * 64) // 16
+    assert again.w2.nbytes + again.w2_scale.nbytes == E * H * (-(-I // 64) * 64) * 0.5625
+    assert len(again.w13_exceptions) == 0 and len(again.w2_exceptions) == 0
 
 
 def _mxfp4_expert(H: int, I: int, e8m0_lo: int, e8m0_hi: int, seed: int):
@@ -125,11 +172,11 @@ def _from_mxfp4(experts):
 
 def _values(w: NVFP4MoEWeights):
     """float64 dequantized w13 [E, 2I, H] and w2 [E, H, I] of the kernel layout (with scale_2)."""
-    v13 = layout.dequantize_tiles(w.w13, w.w13_scale, w.hidden_size).double()
+    v13, v2 = (v.double() for v in w.dequantize())
     I = w.intermediate_size
     v13[:, :I] *= w.w13_scale_2[:, 0, None, None].double()
     v13[:, I:] *= w.w13_scale_2[:, 1, None, None].double()
-    v2 = layout.dequantize_tiles(w.w2, w.w2_scale, I).double() * w.w2_scale_2[:, None, None].double()
+    v2 = v2 * w.w2_scale_2[:, None, None].double()
     return v13, v2
 
 
@@ -156,7 +203,11 @@ def test_from_mxfp4_equals_the_cast_and_the_mxfp4_values():
         assert torch.equal(m13, t13) and torch.equal(m2, t2)  # MXFP4 values, every block
         if in_range:
             assert torch.equal(m13, c13) and torch.equal(m2, c2)
-            assert torch.equal(mx.w13, cast.w13) and torch.equal(mx.w13_scale, cast.w13_scale)
+            assert torch.equal(mx.w13, cast.w13) and mx.scale_format == layout.E8M0_32
+            assert mx.w13_scale.nbytes * 2 == cast.w13_scale.nbytes  # one byte per 32, not two per 16
+            for a, b in zip(mx.to_modelopt(), cast.to_modelopt()):  # the cast's tensors, bit for bit
+                assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                                   b.view(torch.uint8) if b.dtype != torch.float32 else b)
             assert torch.equal(mx.w13_scale_2, cast.w13_scale_2) and torch.equal(mx.w2_scale_2, cast.w2_scale_2)
         else:
             assert not torch.equal(m13, c13)
@@ -180,7 +231,8 @@ def test_from_mxfp4_all_zero_blocks():
     c13, c2 = _values(cast)
     assert torch.equal(m13, c13) and torch.equal(m2, c2)
     assert torch.equal(m13.signbit(), c13.signbit()) and torch.equal(m2.signbit(), c2.signbit())
-    s_mx, s_cast = layout._block_scales(mx.w13_scale, H), layout._block_scales(cast.w13_scale, H)
+    s_mx = layout.decode_scale_words(mx.w13_scale, H, layout.E8M0_32).repeat_interleave(2, -1)
+    s_cast = layout.decode_scale_words(cast.w13_scale, H, layout.E5M3_16)
     differ = (s_mx != s_cast).nonzero().tolist()
     assert all(e == 0 and r == 3 and b in (2, 3) for e, r, b in differ)  # only the zero block's two 16-blocks
 

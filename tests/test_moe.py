@@ -376,11 +376,12 @@ from k3nvfp4.kernels.moe_details.kernels import _load_weight_tile  # noqa: E402
 
 @triton.jit
 def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, rt_end, k_tiles, K,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, SCALE_FMT: tl.constexpr,
+                        PER_WORD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rt = tl.minimum(pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16), rt_end - 1)
-    w = _load_weight_tile(w_ptr, s_ptr, rt, k_tiles, pid_k * BLOCK_K, BLOCK_N, BLOCK_K, False, USE_ASM)
+    w = _load_weight_tile(w_ptr, s_ptr, rt, k_tiles, pid_k * BLOCK_K, BLOCK_N, BLOCK_K, False, USE_ASM, SCALE_FMT, PER_WORD)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (cols < K)[None, :]
@@ -398,28 +399,53 @@ def _every_byte_and_scale(rows: int, k: int):
     return packed, scale
 
 
-@pytest.mark.parametrize("block_n,block_k,rows,k", [(64, 128, 128, 256), (32, 32, 48, 80), (16, 256, 16, 176)])
-def test_triton_fp4_decode_every_byte_and_scale(block_n, block_k, rows, k):
-    """The kernels' one FP4 decode (fp4.py via the tile loader) against formats.py: all 256 packed
-    bytes x all finite E4M3 scales, bit for bit incl. signed zeros, times 2^-ACC_SHIFT; K tails,
-    half K tiles (block_k 32) and clamped row tiles (rows < grid: they re-read the last tile). Inline PTX on a GPU,
-    the plain-Triton twin in the interpreter."""
-    from k3nvfp4.kernels import formats
-
-    packed, scale = _every_byte_and_scale(rows, k)
-    w = layout.pack_e2m1_tiles(packed).to(DEV)
-    s = layout.pack_e4m3_scale_tiles(scale).to(DEV)
+def _decode_tiles(w, s, fmt, rows: int, k: int, block_n: int, block_k: int, per_word: bool) -> torch.Tensor:
     grid_rows = -(-rows // block_n) * block_n
     out = torch.full((grid_rows, k), float("nan"), device=DEV)
     _decode_tile_kernel[(grid_rows // block_n, -(-k // block_k))](
-        w, s, out, rows // 16, w.shape[1], k, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=DEV == "cuda")
+        w.to(DEV), s.to(DEV), out, rows // 16, w.shape[1], k, BLOCK_N=block_n, BLOCK_K=block_k, USE_ASM=DEV == "cuda",
+        SCALE_FMT=fmt.kernel_id, PER_WORD=per_word)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("per_word", [False, True])
+@pytest.mark.parametrize("block_n,block_k,rows,k", [(64, 128, 128, 256), (32, 32, 48, 80), (16, 256, 16, 176)])
+def test_triton_fp4_decode_every_byte_and_scale(block_n, block_k, rows, k, per_word):
+    """The kernels' one FP4 decode (fp4.py via the tile loader) against formats.py: all 256 packed
+    bytes x all finite E4M3 scales (negative and zero ones too: the layout folds their signs into
+    the nibbles), bit for bit incl. signed zeros, times 2^-ACC_SHIFT; K tails, half K tiles
+    (block_k 32) and clamped row tiles (rows < grid: they re-read the last tile). Inline PTX on
+    a GPU, the plain-Triton twin in the interpreter."""
+    from k3nvfp4.kernels import formats
+
+    packed, scale = _every_byte_and_scale(rows, k)
+    nibbles, s, _ = layout.pack_nvfp4_scales(packed, scale)
+    out = _decode_tiles(layout.pack_e2m1_tiles(nibbles), s, layout.E5M3_16, rows, k, block_n, block_k, per_word)
     ref = formats.dequantize_nvfp4(packed, scale, 1.0) / layout.ACC_SCALE
-    got = out[:rows].cpu()
+    got = out[:rows]
     assert torch.equal(got, ref)
     assert torch.equal(torch.signbit(got), torch.signbit(ref))  # -0 weight x scale stays -0
     assert torch.signbit(ref).sum() > (ref == 0).logical_and(torch.signbit(ref)).sum() > 0
-    last = ref[rows - 16 : rows].repeat((grid_rows - rows) // 16, 1)
-    assert torch.equal(out[rows:].cpu(), last)  # clamped row tiles re-read the last tile
+    last = ref[rows - 16 : rows].repeat((out.shape[0] - rows) // 16, 1)
+    assert torch.equal(out[rows:], last)  # clamped row tiles re-read the last tile
+
+
+@pytest.mark.parametrize("per_word", [False, True])
+@pytest.mark.parametrize("block_n,block_k,rows,k", [(64, 128, 128, 256), (32, 32, 48, 96), (16, 256, 16, 160)])
+def test_triton_fp4_decode_e8m0_blocks(block_n, block_k, rows, k, per_word):
+    """The same decode from the MXFP4 release's layout (one E8M0 byte per 32, E8M0_32): every
+    packed byte x block exponents across 126 binades below the matrix's largest, exact, with the
+    32-block's two K steps and the second block of a K tile (block_k 32: picked at run time)."""
+    from k3nvfp4.kernels import formats
+
+    packed = (torch.arange(rows * k // 2) % 256).to(torch.uint8).reshape(rows, k // 2)
+    e8m0 = (torch.arange(rows * k // 32) * 5 % 127 + 128).to(torch.uint8).reshape(rows, k // 32)
+    m = int(e8m0.max()) - 127 - 8  # from_mxfp4's scale_2 exponent
+    out = _decode_tiles(layout.pack_e2m1_tiles(packed), layout.pack_e8m0_scale_tiles(e8m0, m), layout.E8M0_32,
+                        rows, k, block_n, block_k, per_word)
+    e2m1 = formats.e2m1_to_float(formats.unpack_e2m1(packed)).double()  # float64: 6 x 2^127 overflows fp32
+    ref = e2m1 * torch.exp2(e8m0.double() - 127 - m).repeat_interleave(32, dim=-1) / layout.ACC_SCALE
+    assert torch.equal(out[:rows].double(), ref) and torch.equal(out[:rows].signbit(), ref.signbit())
 
 
 # ---------------------------------------------------------------- the fused top-k combine (arrival counters)

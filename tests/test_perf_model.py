@@ -8,6 +8,7 @@ import math
 import pytest
 
 from k3nvfp4.kernels import perf_model as pm
+from k3nvfp4.kernels.moe_details.layout import E8M0_32
 
 TOY = pm.Device("toy", 90, sms=2, clock_hz=1e9, hbm_bytes_per_s=2e12, hbm_copy_bytes_per_s=1e12, mma_bf16_flops=1e15)
 A = pm.Assumptions(hbm_latency_s=1e-6, l2_round_trip_s=0.5e-6, launch_s=1e-6, mma_efficiency=1.0)
@@ -78,4 +79,7 @@ def test_our_gemm_counts_padding_as_processed_not_useful():
     assert wide.warp_instr_per_useful_weight == pytest.approx(per_weight * 256 / 192)
     assert exact.warp_instr_per_useful_weight == pytest.approx(per_weight)
     assert wide.useful_weights == exact.useful_weights == pytest.approx(16 * 2 * 192 * 3584)
-    assert math.isclose(wide.bytes_per_useful_weight, 0.625) and math.isclose(exact.bytes_per_useful_weight, 0.625)
+    assert math.isclose(wide.bytes_per_useful_weight, 0.5625) and math.isclose(exact.bytes_per_useful_weight, 0.5625)
+    mx = pm.our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=64, block_k1=256, num_warps1=8).gemm("gemm1"),
+                     pm.LoopCost(683 / 2, 8, 237, 65536), routing, fmt=E8M0_32)
+    assert math.isclose(mx.bytes_per_useful_weight, 0.53125)  # one E8M0 byte per 32, not expanded

@@ -306,8 +306,8 @@ def test_bench_moe_smoke(tmp_path):
     assert point["M"] == 8 and "error" not in point
     assert 0 < point["valid_routes"] <= 8 * 4 and 0 < point["distinct_experts"] <= 4
     H, I = 48, 32
-    # the kernel layout reads bf16 block scales (2 bytes per 16 weights); ModelOpt's are E4M3 (1)
-    per_expert = (2 * I * H // 2 + 2 * 2 * I * H // 16 + 8) + (H * I // 2 + 2 * H * I // 16 + 4)
+    # the kernel layout reads one byte per 16-weight block scale, as ModelOpt's E4M3 scales
+    per_expert = (2 * I * H // 2 + 2 * I * H // 16 + 8) + (H * I // 2 + H * I // 16 + 4)
     per_expert_modelopt = (2 * I * H // 2 + 2 * I * H // 16 + 8) + (H * I // 2 + H * I // 16 + 4)
     act_bytes = 4 if device == "cpu" else 2  # fp32 activations in the interpreter, bf16 on a GPU
     acts = 2 * 8 * H * act_bytes + 8 * 4 * 8

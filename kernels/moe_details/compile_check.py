@@ -43,7 +43,7 @@ def _require_compiler() -> None:
         raise RuntimeError("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
 
 
-def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, dtype: str = "bf16"):
+def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, dtype: str = "bf16", scale_fmt: int = 0):
     """Compile GEMM1 ("gemm1", with SiTU) or GEMM2 ("gemm2") at one MoEConfig for sm<arch>, with
     the specialisations of a real launch. Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
     _require_compiler()
@@ -57,26 +57,27 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     g = config.gemm(kind)
     if kind == "gemm1":
         fn, K_dim = K.gemm1_gated_kernel, H
-        args = dict(x_ptr=f"*{dtype}", stride_xm=H, stride_xk=1, w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32",
+        args = dict(x_ptr=f"*{dtype}", stride_xm=H, stride_xk=1, w_ptr="*u8", ws_ptr="*u8", s2_ptr="*fp32",
                     k_tiles=-(-H // 64), out_ptr=f"*{dtype}", part_ptr="*fp32" if g.split_k > 1 else f"*{dtype}",
                     tickets_ptr="*i32", sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
                     num_pairs=17, top_k=top_k, H=H, I=I, beta=4.0, linear_beta=25.0)
         consts = dict(ACT=0, HAS_LINEAR_BETA=True)
     else:
         fn, K_dim = K.gemm2_combine_kernel, I
-        args = dict(a_ptr=f"*{dtype}", w_ptr="*u8", ws_ptr="*bf16", s2_ptr="*fp32", k_tiles=-(-I // 64),
+        args = dict(a_ptr=f"*{dtype}", w_ptr="*u8", ws_ptr="*u8", s2_ptr="*fp32", k_tiles=-(-I // 64),
                     topk_w_ptr="*fp32", topk_ids_ptr="*i32", stride_im=top_k, stride_ik=1, buf_ptr="*fp32",
                     out_ptr=f"*{dtype}", stride_om=H, stride_oh=1, tickets_ptr="*i32", sorted_ids_ptr="*i32",
                     block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k, num_experts=17,
                     H=H, I=I, scale=1.0)
         consts = dict(ATOMIC=g.atomic_reduce)
     consts.update(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, SWAP_AB=g.swap_ab,
-                  DOT_DTYPE=tl_dtype, PRECISION=None, USE_ASM=True, EVEN_K=K_dim % g.block_k == 0)
+                  DOT_DTYPE=tl_dtype, PRECISION=None, USE_ASM=True, EVEN_K=K_dim % g.block_k == 0, SCALE_FMT=scale_fmt,
+                  PER_WORD=g.num_warps < 4)
     return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": g.num_warps, "num_stages": g.num_stages})
 
 
-def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90) -> dict:
+def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, scale_fmt: int = 0) -> dict:
     """Compile one GEMM of a MoEConfig for sm<arch> and measure it statically: the hot K loop's
     instructions per warp and iteration (k3nvfp4.kernels.sass), registers, spill bytes and the
     shared memory the launch requests (Triton's metadata.shared: what it checks against the
@@ -85,7 +86,7 @@ def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90) 
     from ..perf_model import LoopCost
 
     g = config.gemm(kind)
-    c = compile_gemm(kind, config, H, I, top_k, arch)
+    c = compile_gemm(kind, config, H, I, top_k, arch, scale_fmt=scale_fmt)
     cubin = c.asm["cubin"]
     funcs = sass.disassemble(cubin)
     name = next(n for n in funcs if "gemm" in n)

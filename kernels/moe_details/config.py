@@ -209,11 +209,12 @@ def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -
 @functools.lru_cache(maxsize=4096)
 def heuristic_moe_config(
     E: int, H: int, I: int, top_k: int, M: int, num_sms: int | None = None, arch: int | None = None,
-    num_global_experts: int | None = None,
+    num_global_experts: int | None = None, scale_format=None,
 ) -> MoEConfig:
     """Default config when nothing is tuned: the fastest under the static performance model
     (k3nvfp4.kernels.perf_model) of the tile shapes in tile_costs.TILES, measured offline for the
-    architecture, with split-K chosen per GEMM.
+    architecture and the weights' scale format (layout.E5M3_16, the default, or E8M0_32), with
+    split-K chosen per GEMM.
 
     - E: local experts (the weights' leading dimension); num_global_experts: the experts the
       top-k ids range over (None = E: no expert parallelism). Under EP only ~E / E_global of the
@@ -230,8 +231,10 @@ def heuristic_moe_config(
       path's fp32 [split_k2, M*k, H] buffer would exceed 512 MiB (large prefill batches).
     """
     from ..perf_model import B200, H200, Shard, expected_routing, loop_budget, our_gemm
+    from .layout import E5M3_16
     from .tile_costs import TILES, tile_cost
 
+    scale_format = scale_format or E5M3_16
     if arch is None:
         arch = current_arch()
     device = B200 if arch >= 100 else H200
@@ -247,7 +250,7 @@ def heuristic_moe_config(
         for t in TILES:
             if t.kind != kind or t.block_m != block_m:
                 continue
-            cost = tile_cost(t, arch)
+            cost = tile_cost(t, arch, fmt=scale_format)
             if cost is None or cost.local_bytes:
                 continue
             tiles.append((t, cost))
@@ -269,7 +272,7 @@ def heuristic_moe_config(
                     break
                 launch = GemmLaunch(kind, block_m, tile.swap_ab, tile.block_n, tile.block_k, split,
                                     tile.num_warps, tile.num_stages, kind == "gemm2" and atomic)
-                pred = our_gemm(device, shard, M, launch, cost, routing)
+                pred = our_gemm(device, shard, M, launch, cost, routing, fmt=scale_format)
                 if pred.launchable:
                     scored.append((pred.time_s, pred.warp_instructions, split, launch, pred))
         if not scored:
@@ -302,7 +305,7 @@ def heuristic_moe_config(
 
 def get_moe_config(
     E: int, H: int, I: int, top_k: int, M: int, device_name: str | None = None, directory=None,
-    arch: int | None = None, num_global_experts: int | None = None,
+    arch: int | None = None, num_global_experts: int | None = None, scale_format=None,
 ) -> MoEConfig:
     """Config for one call: the tuned config of the nearest batch size when a file exists for
     (E, H, I, device), else :func:`heuristic_moe_config` (for ``arch``, None = this device's;
@@ -316,4 +319,5 @@ def get_moe_config(
         nearest = min(tuned, key=lambda t: (abs(math.log2(max(t, 1) / m)), t))
         if max(nearest, m) <= _MAX_TUNED_DISTANCE * min(max(nearest, 1), m):
             return tuned[nearest]
-    return heuristic_moe_config(E, H, I, top_k, M, arch=arch, num_global_experts=num_global_experts)
+    return heuristic_moe_config(E, H, I, top_k, M, arch=arch, num_global_experts=num_global_experts,
+                                scale_format=scale_format)

@@ -1,9 +1,11 @@
 """Triton jit kernels of the fused NVFP4 gated MoE (W4A16: FP4 weights dequantized in registers).
 
 Weights are read in the kernel-native layout (layout.py, prepared once by NVFP4MoEWeights): per
-expert matrix [rows/16, K/64, 512] bytes of bit-placed nibbles and [rows/16, K/64, 64] bf16 block
-scales. A weight tile is dequantized by fp4.dequant_e2m1_words (2 integer instructions per weight
-+ one bf16x2 multiply per two) straight into the MMA A-operand registers; the products carry
+expert matrix [rows/16, K/64, 512] bytes of bit-placed nibbles and [rows/16, K/64, 16 or 8] block
+scale words (one byte per scale: E5M3_16 for NVFP4, E8M0_32 for the MXFP4 release, SCALE_FMT).
+A weight tile is dequantized by fp4.dequant_e2m1_words (11 integer instructions per 8 weights +
+one bf16x2 multiply per two, after 1.5 or 0.75 per 8 for the scale words) straight into the MMA
+A-operand registers; the products carry
 2^-ACC_SHIFT, undone together with scale_2 on the fp32 accumulator. Activations are one contiguous
 [rows, BLOCK_K] tile (K in natural order: no even/odd split). With swap-AB (weights on the MMA M
 side) Hopper's wgmma takes the weights from registers and the activations from shared memory.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp4 import dequant_e2m1_words, tile_e2m1_bf16
+from .fp4 import decode_scale_words, dequant_e2m1_words, tile_e2m1_bf16
 from .layout import ACC_SCALE
 
 _ACC_SCALE = tl.constexpr(ACC_SCALE)
@@ -90,11 +92,57 @@ def _row_tiles(first, end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _rotl8(x):
+    return (x << 8) | (x >> 24)
+
+
+@triton.jit
+def _load_scale_pairs(s_ptr, tile, s0, R: tl.constexpr, G: tl.constexpr, S: tl.constexpr, SCALE_FMT: tl.constexpr,
+                      USE_ASM: tl.constexpr, PER_WORD: tl.constexpr):
+    """The bf16x2 scale pairs (rows g, g + 8) of each word of K steps s0 .. s0 + S of the given
+    tiles, uint32 [R, G, 32 S] in the words' order (lane 4g + t, step s), from the layout's
+    scale words (layout.py): one LOP3 per pair, after a byte rotation for every second pair.
+    PER_WORD: decode after broadcasting the scale words to every word (what Triton keeps in
+    registers for the mma.sync tiles), else decode both pairs of a word and join them (wgmma)."""
+    if SCALE_FMT == 0:  # NVFP4: 2 words per lane g and tile; word i holds steps 2i, 2i + 1
+        NW: tl.constexpr = S // 2
+        widx = tl.arange(0, 8)[:, None] * 2 + s0 // 2 + tl.arange(0, NW)[None, :]
+        sw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + tile[:, :, :, None] * 16 + widx[None, None, :, :])
+        sw = sw.to(tl.uint32, bitcast=True)
+        if PER_WORD:
+            sw = tl.reshape(tl.broadcast_to(tl.reshape(sw, (R, G, 8, 1, NW, 1)), (R, G, 8, 4, NW, 2)), (R, G, 32 * S))
+            rotated = (tl.arange(0, 32 * S) % 2 == 1)[None, None, :]  # odd steps: the rotated pair
+            pairs = decode_scale_words(tl.where(rotated, _rotl8(sw), sw), SCALE_FMT, USE_ASM)
+        else:
+            sw = tl.broadcast_to(tl.reshape(sw, (R, G, 8, 1, NW)), (R, G, 8, 4, NW))
+            p = tl.join(decode_scale_words(sw, SCALE_FMT, USE_ASM), decode_scale_words(_rotl8(sw), SCALE_FMT, USE_ASM))
+            pairs = tl.reshape(p, (R, G, 32 * S))
+    else:  # MXFP4: 1 word per lane g and tile; 32-block 0 (steps 0, 1) in place, 1 (steps 2, 3) rotated
+        sw = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + tile * 8 + tl.arange(0, 8)[None, None, :])
+        sw = sw.to(tl.uint32, bitcast=True)
+        if PER_WORD:
+            sw = tl.reshape(tl.broadcast_to(tl.reshape(sw, (R, G, 8, 1)), (R, G, 8, 4 * S)), (R, G, 32 * S))
+            rotated = (((s0 + tl.arange(0, 32 * S) % S) // 2) == 1)[None, None, :]
+            pairs = decode_scale_words(tl.where(rotated, _rotl8(sw), sw), SCALE_FMT, USE_ASM)
+        else:
+            sw = tl.broadcast_to(tl.reshape(sw, (R, G, 8, 1)), (R, G, 8, 4))
+            p0 = decode_scale_words(sw, SCALE_FMT, USE_ASM)
+            p1 = decode_scale_words(_rotl8(sw), SCALE_FMT, USE_ASM)
+            if S == 4:
+                p = tl.broadcast_to(tl.join(p0, p1)[:, :, :, :, :, None], (R, G, 8, 4, 2, 2))
+            else:
+                p = tl.broadcast_to(tl.where(s0 == 0, p0, p1)[:, :, :, :, None], (R, G, 8, 4, S))
+            pairs = tl.reshape(p, (R, G, 32 * S))
+    return pairs
+
+
+@triton.jit
 def _load_weight_tile(w_ptr, s_ptr, rt, k_tiles, k0,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                      SCALE_FMT: tl.constexpr, PER_WORD: tl.constexpr):
     """Dequantized weights bf16 [BLOCK_N, BLOCK_K] (x 2^-ACC_SHIFT) of a kernel-layout matrix
-    (layout.py: [row tiles, k_tiles, 512] bytes, [row tiles, k_tiles, 64] bf16 scales): row
-    tiles rt (int [BLOCK_N/16], see _row_tiles), K elements k0 .. k0 + BLOCK_K. Each lane loads
+    (layout.py: [row tiles, k_tiles, 512] bytes, [row tiles, k_tiles, 16 or 8] scale words in
+    format SCALE_FMT): row tiles rt (int [BLOCK_N/16], see _row_tiles), K elements k0 .. k0 + BLOCK_K. Each lane loads
     16 contiguous bytes per K tile (4 bf16x2 MMA registers per K step). No masks: K tiles past
     the matrix are clamped to its last (EVEN_K False), their activations are zero."""
     R: tl.constexpr = BLOCK_N // 16
@@ -112,18 +160,11 @@ def _load_weight_tile(w_ptr, s_ptr, rt, k_tiles, k0,
     tile = (rt[:, None] * k_tiles + kt[None, :])[:, :, None]
     if S == 4:  # whole tiles: 128 contiguous words (each lane's 4 words are 16 bytes)
         word = tl.arange(0, 128)
-        sidx = tl.arange(0, 64)
     else:
         word = tl.reshape(tl.arange(0, 32)[:, None] * 4 + s0 + tl.arange(0, S)[None, :], (32 * S,))
-        sidx = tl.reshape(tl.arange(0, 8)[:, None] * 8 + s0 * 2 + tl.arange(0, 2 * S)[None, :], (16 * S,))
     words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + tile * 128 + word[None, None, :])
-    scale = tl.load(s_ptr + tile * 64 + sidx[None, None, :])
-    # Per word: the scales of its rows g and g + 8 at its K step, shared by the 4 lanes t.
-    scale = tl.broadcast_to(tl.reshape(scale, (R, G, 8, 1, S, 2)), (R, G, 8, 4, S, 2))
-    s_lo, s_hi = tl.split(scale)
-    s_lo = tl.reshape(s_lo, (R, G, 32 * S))
-    s_hi = tl.reshape(s_hi, (R, G, 32 * S))
-    e0, e1, e2, e3, e4, e5, e6, e7 = dequant_e2m1_words(words, s_lo, s_hi, USE_ASM)
+    pairs = _load_scale_pairs(s_ptr, tile, s0, R, G, S, SCALE_FMT, USE_ASM, PER_WORD)
+    e0, e1, e2, e3, e4, e5, e6, e7 = dequant_e2m1_words(words, pairs, USE_ASM)
     return tile_e2m1_bf16(e0, e1, e2, e3, e4, e5, e6, e7, R, G, S)
 
 
@@ -189,7 +230,7 @@ def gemm1_gated_kernel(
     ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALE_FMT: tl.constexpr, PER_WORD: tl.constexpr,
 ):
     """GEMM1 + gated activation for one (row block, column tile, K slice).
 
@@ -234,9 +275,9 @@ def gemm1_gated_kernel(
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
         x = _load_act_tile(x_ptr, token, stride_xm, stride_xk, k0, H, BLOCK_K, EVEN_K)
-        wg = _load_weight_tile(w_ptr, ws_ptr, rt_gate, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM)
+        wg = _load_weight_tile(w_ptr, ws_ptr, rt_gate, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM, SCALE_FMT, PER_WORD)
         acc_g = _mma(acc_g, x, wg, SWAP_AB, DOT_DTYPE, PRECISION)
-        wu = _load_weight_tile(w_ptr, ws_ptr, rt_up, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM)
+        wu = _load_weight_tile(w_ptr, ws_ptr, rt_up, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM, SCALE_FMT, PER_WORD)
         acc_u = _mma(acc_u, x, wu, SWAP_AB, DOT_DTYPE, PRECISION)
 
     acc_g = acc_g * (tl.load(s2_ptr + expert * 2) * _ACC_SCALE)
@@ -274,7 +315,7 @@ def gemm2_combine_kernel(
     num_pairs, top_k, num_experts, H, I, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN_K: tl.constexpr, ATOMIC: tl.constexpr,
+    EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, SCALE_FMT: tl.constexpr, PER_WORD: tl.constexpr,
 ):
     """GEMM2 (intermediate [max_padded, I] x w2^T) x scale_2 x routing weight, the top-k sum,
     x scale, cast: out [M, H] in its dtype, in this one launch.
@@ -314,7 +355,7 @@ def gemm2_combine_kernel(
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
         a = _load_act_tile(a_ptr, offs_m, I, 1, k0, I, BLOCK_K, EVEN_K)  # padding rows: never stored
-        w = _load_weight_tile(w_ptr, ws_ptr, rt, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM)
+        w = _load_weight_tile(w_ptr, ws_ptr, rt, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM, SCALE_FMT, PER_WORD)
         acc = _mma(acc, a, w, SWAP_AB, DOT_DTYPE, PRECISION)
 
     # Loaded after the K loop: nothing of the epilogue stays live through it.

@@ -18,12 +18,28 @@ both halves) or, for two of them, a sign and a magnitude part from two rotations
 minimum for this instruction form). The bf16 read from those bits is the E2M1 value x 2^-126
 (code 1, 0.5, becomes the bf16 subnormal 2^-127, which the bf16x2 multiply takes exactly).
 
-Scales: one bf16 per 16-block holding ``e4m3 x 2^(126 - ACC_SHIFT)``, so that one bf16x2 multiply
-per two weights yields the weight x 2^-ACC_SHIFT as a normal bf16 (exact: an E2M1 x E4M3 product
-has at most 6 significant bits, and ACC_SHIFT = 7 keeps 448 x 2^119 finite and 0.5 x 2^-9 x
-2^-7 normal); the kernels multiply the fp32 accumulator by scale_2 x 2^ACC_SHIFT. Scales are
-tiled like the nibbles, [N/16, K/64, 64] with per-tile order (g, s, row half): lane g's 8 scales
-(rows g and g+8, 4 K steps) are 16 contiguous bytes.
+Scales: one byte per block scale, as in the checkpoint (0.5625 B per weight for NVFP4, 0.53125
+for the MXFP4 release), turned by the kernel into the bf16 ``scale x 2^(126 - ACC_SHIFT)`` its
+bf16x2 multiply needs (one bf16x2 multiply per two weights gives the weight x 2^-ACC_SHIFT as a
+normal bf16, exact: an E2M1 x E4M3 product has at most 6 significant bits, and ACC_SHIFT = 7 keeps
+448 x 2^119 finite and 0.5 x 2^-9 x 2^-7 normal; the kernels multiply the fp32 accumulator by
+scale_2 x 2^ACC_SHIFT). A :class:`ScaleFormat` says how:
+
+- ``E5M3_16`` (NVFP4, one scale per 16): each E4M3 scale is re-encoded once, at preparation, as
+  the unsigned byte u = ((e + 22) << 3) | m of its normalised value 2^e (1 + m / 8) (E4M3
+  subnormals normalise too: e in [-9, 8]), so that the bf16 bits are ``(u << 4) | 0x7000``.
+  Zero and negative scales have no such byte: a zero scale's nibbles keep only their signs
+  (u = 0), a negative scale's nibbles change sign (u of |scale|); both values are exact, and the
+  blocks' original bytes are kept aside (:class:`BlockExceptions`) for ``to_modelopt``.
+- ``E8M0_32`` (the MXFP4 release, one scale per 32, not expanded): the byte is the bf16 exponent
+  field of 2^(k - m) x 2^119 (m the scale_2 exponent), the bf16 bits ``f << 7``.
+
+Scale words: per tile, lane g reads its scales (rows g and g + 8 at its K steps) as 32-bit words
+of 4 bytes. A word holds two bf16x2 pairs (row g low, row g + 8 high): one in place (bytes at bits
+SH..SH+7 and SH+16..SH+23, SH = 4 or 7) and one rotated right by 8 bits, so the kernel gets each
+pair with one LOP3 (``& mask | fill``) and the second after one rotation. E5M3_16: 2 words per lane
+and tile (word i: steps 2i in place, 2i + 1 rotated), [rows/16, K/64, 16] int32; E8M0_32: 1 word
+(32-block 0 in place, 1 rotated), [rows/16, K/64, 8] int32.
 
 Everything here is plain torch (CPU or GPU) and exactly invertible (``unpack_*``).
 """
@@ -39,8 +55,6 @@ from .. import formats
 TILE_ROWS = 16
 TILE_K = 64
 TILE_BYTES = TILE_ROWS * TILE_K // 2  # 512
-TILE_SCALES = TILE_ROWS * TILE_K // formats.NVFP4_BLOCK  # 64
-SCALE_BYTES = 2  # one bf16 per block scale (the static model counts the layout's bytes from these)
 # bf16 bits of a bit-placed E2M1 code read as value x 2^-E2M1_BF16_EXP_OFFSET.
 E2M1_BF16_EXP_OFFSET = 126
 # Dequantized bf16 weights carry 2^-ACC_SHIFT; the kernels undo it on the fp32 accumulator.
@@ -48,6 +62,45 @@ ACC_SHIFT = 7
 ACC_SCALE = float(2**ACC_SHIFT)
 # Stored bf16 block scale = e4m3 scale x this (the bit-placed E2M1's 2^-126, less ACC_SHIFT).
 _BF16_SCALE_FACTOR = 2.0 ** (E2M1_BF16_EXP_OFFSET - ACC_SHIFT)
+
+
+
+@dataclass(frozen=True)
+class ScaleFormat:
+    """How the kernel layout stores block scales (one byte each) and the kernel decodes them:
+    bf16x2 pair = ``(rotl(word, 0 or 8) & mask) | fill``."""
+
+    name: str
+    block: int  # weights per scale
+    kernel_id: int  # the kernels' SCALE_FMT constexpr
+    shift: int  # bit of the byte's LSB in the bf16 half
+    fill: int  # constant bf16x2 bits OR-ed in (the exponent's fixed high bits)
+
+    @property
+    def mask(self) -> int:
+        return (0xFF << self.shift) | (0xFF << (self.shift + 16))
+
+    @property
+    def words_per_lane(self) -> int:
+        """Scale words per lane and tile (each holds 2 pairs = 2 K steps' or 32-blocks' scales)."""
+        return TILE_K // self.block // 2
+
+    @property
+    def words_per_tile(self) -> int:
+        return 8 * self.words_per_lane
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes the kernel streams per weight: the nibble and the scale byte's share."""
+        return 0.5 + 1.0 / self.block
+
+
+E5M3_16 = ScaleFormat("e5m3/16", formats.NVFP4_BLOCK, 0, 4, 0x70007000)
+E8M0_32 = ScaleFormat("e8m0/32", formats.MXFP4_BLOCK, 1, 7, 0)
+SCALE_FORMATS = (E5M3_16, E8M0_32)
+# E5M3_16's byte: u = (bf16 bits of scale x 2^119) >> 4, less the fixed exponent bits (0x7000 >> 4).
+_E5M3_FILL_BYTE = 0x700
+_E5M3_ZERO = 0  # u of zero scales (no non-zero scale has u < 104)
 
 SIGN_MASK = 0x80008000
 MAG_MASK = 0x01C001C0
@@ -86,9 +139,8 @@ class FP4TileLayout:
     def packed_shape(self) -> tuple[int, int, int]:
         return (self.row_tiles, self.k_tiles, TILE_BYTES)
 
-    @property
-    def scale_shape(self) -> tuple[int, int, int]:
-        return (self.row_tiles, self.k_tiles, TILE_SCALES)
+    def scale_shape(self, fmt: ScaleFormat) -> tuple[int, int, int]:
+        return (self.row_tiles, self.k_tiles, fmt.words_per_tile)
 
 
 def _bit_targets() -> torch.Tensor:
@@ -170,60 +222,144 @@ def unpack_e2m1_tiles(tiles: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(*lead, lay.rows, k // 2)
 
 
-def _tile_scales(values: torch.Tensor, lay: FP4TileLayout) -> torch.Tensor:
-    """Block-scale values in the kernels' form [..., rows, <= k_padded/16] (zero-padded to
-    k_padded) -> bf16 [..., R, KT, 64] in per-tile order (g, s, row half)."""
-    pad = lay.k_padded // formats.NVFP4_BLOCK - values.shape[-1]
+def _rotr8(x: torch.Tensor) -> torch.Tensor:
+    return ((x >> 8) | (x << 24)) & 0xFFFFFFFF
+
+
+def _tile_scale_bytes(codes: torch.Tensor, lay: FP4TileLayout, fmt: ScaleFormat) -> torch.Tensor:
+    """Scale bytes int64 [..., rows, <= k_padded / block] (zero-padded to k_padded) -> scale words
+    int32 [..., R, KT, fmt.words_per_tile] (module docstring)."""
+    pad = lay.k_padded // fmt.block - codes.shape[-1]
     if pad:
-        values = torch.nn.functional.pad(values, (0, pad))
-    lead = values.shape[:-2]
-    v = values.reshape(*lead, lay.row_tiles, 2, 8, lay.k_tiles, 4)  # R hh g KT s
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    lead = codes.shape[:-2]
     n = len(lead)
-    v = v.permute(*range(n), n + 0, n + 3, n + 2, n + 4, n + 1)
-    return v.reshape(*lead, *lay.scale_shape).to(torch.bfloat16).contiguous()
+    c = codes.reshape(*lead, lay.row_tiles, 2, 8, lay.k_tiles, fmt.words_per_lane, 2)  # R hh g KT i par
+    c = c.permute(*range(n), n + 0, n + 3, n + 2, n + 4, n + 1, n + 5)  # R KT g i hh par
+    direct = (c[..., 0, 0] << fmt.shift) | (c[..., 1, 0] << (fmt.shift + 16))
+    rotated = (c[..., 0, 1] << fmt.shift) | (c[..., 1, 1] << (fmt.shift + 16))
+    words = direct | _rotr8(rotated)
+    return words.to(torch.int64).sub((words >= 1 << 31).long() << 32).to(torch.int32).reshape(
+        *lead, *lay.scale_shape(fmt)).contiguous()
 
 
-def _block_scales(tiles: torch.Tensor, k: int) -> torch.Tensor:
-    """Inverse of _tile_scales without the 2^(126 - ACC_SHIFT) factor: bf16 [..., R, KT, 64] ->
-    float32 block scales [..., 16R, k/16]."""
-    if tiles.dtype != torch.bfloat16 or tiles.dim() < 3 or tiles.shape[-1] != TILE_SCALES:
-        raise ValueError(f"scale tiles: expected bf16 [..., R, KT, {TILE_SCALES}], got {tiles.dtype} {tuple(tiles.shape)}")
-    lay = FP4TileLayout(tiles.shape[-3] * TILE_ROWS, k)
-    lead = tiles.shape[:-3]
-    v = (tiles.float() / _BF16_SCALE_FACTOR).reshape(*lead, lay.row_tiles, lay.k_tiles, 8, 4, 2)  # R KT g s hh
+def _untile_scale_bytes(words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.Tensor:
+    """Inverse of _tile_scale_bytes: int32 [..., R, KT, words_per_tile] -> int64 scale bytes
+    [..., 16R, k / block]."""
+    if words.dtype != torch.int32 or words.dim() < 3 or words.shape[-1] != fmt.words_per_tile:
+        raise ValueError(f"scale words: expected int32 [..., R, KT, {fmt.words_per_tile}] for {fmt.name}, "
+                         f"got {words.dtype} {tuple(words.shape)}")
+    lay = FP4TileLayout(words.shape[-3] * TILE_ROWS, k)
+    lead = words.shape[:-3]
     n = len(lead)
-    v = v.permute(*range(n), n + 0, n + 4, n + 2, n + 1, n + 3)
-    return v.reshape(*lead, lay.rows, lay.k_padded // formats.NVFP4_BLOCK)[..., : k // formats.NVFP4_BLOCK]
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    w = w.reshape(*lead, lay.row_tiles, lay.k_tiles, 8, fmt.words_per_lane)  # R KT g i
+    rot = ((w << 8) | (w >> 24)) & 0xFFFFFFFF
+    byte = lambda x, hh: (x >> (fmt.shift + 16 * hh)) & 0xFF  # noqa: E731
+    c = torch.stack([torch.stack([byte(w, hh), byte(rot, hh)], -1) for hh in range(2)], -2)  # R KT g i hh par
+    c = c.permute(*range(n), n + 0, n + 4, n + 2, n + 1, n + 3, n + 5)  # R hh g KT i par
+    return c.reshape(*lead, lay.rows, lay.k_padded // fmt.block)[..., : k // fmt.block]
 
 
-def pack_e4m3_scale_tiles(scale: torch.Tensor, name: str = "scale") -> torch.Tensor:
-    """E4M3 block scales (float8_e4m3fn or its uint8 bits) [..., rows, k/16] -> bf16
-    [..., rows/16, ceil(k/64), 64] holding scale x 2^(126 - ACC_SHIFT) (exact). Padding blocks
-    are 0. NaN scale patterns are refused; errors name the tensor ``name``."""
-    if scale.dtype == torch.uint8:
-        scale = scale.view(torch.float8_e4m3fn)
-    if scale.dtype != torch.float8_e4m3fn:
+def decode_scale_words(words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.Tensor:
+    """What the kernel multiplies by, without the 2^(126 - ACC_SHIFT): scale words int32
+    [..., R, KT, words_per_tile] -> float32 block scales [..., 16R, k / fmt.block]."""
+    bits = (_untile_scale_bytes(words, k, fmt) << fmt.shift) | (fmt.fill & 0xFFFF)
+    bf16 = (bits.to(torch.int32) << 16).view(torch.float32)
+    return bf16 / _BF16_SCALE_FACTOR
+
+
+@dataclass(frozen=True)
+class BlockExceptions:
+    """The original bytes of NVFP4 blocks whose scale has no E5M3_16 byte (zero or negative
+    scales whose nibbles the layout changed; see the module docstring), for ``to_modelopt``.
+    index int64 [n] into the flattened [..., rows, k/16] scale tensor; scale uint8 [n] (E4M3
+    bits); nibbles uint8 [n, 8]. Empty for checkpoints from ModelOpt or the cast."""
+
+    index: torch.Tensor
+    scale: torch.Tensor
+    nibbles: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.index.numel())
+
+    @staticmethod
+    def empty(device=None) -> "BlockExceptions":
+        return BlockExceptions(torch.zeros(0, dtype=torch.int64, device=device),
+                               torch.zeros(0, dtype=torch.uint8, device=device),
+                               torch.zeros(0, 8, dtype=torch.uint8, device=device))
+
+    def to(self, device) -> "BlockExceptions":
+        return BlockExceptions(self.index.to(device), self.scale.to(device), self.nibbles.to(device))
+
+
+def _e4m3_bits(scale: torch.Tensor, name: str) -> torch.Tensor:
+    if scale.dtype == torch.float8_e4m3fn:
+        scale = scale.view(torch.uint8)
+    if scale.dtype != torch.uint8:
         raise TypeError(f"{name}: expected float8_e4m3fn (or uint8 bits), got {scale.dtype}")
-    *lead, rows, groups = scale.shape
-    lay = FP4TileLayout(rows, groups * formats.NVFP4_BLOCK)
-    v = scale.float()
-    if torch.isnan(v).any():
+    if ((scale & 0x7F) == 0x7F).any():
         raise ValueError(f"{name}: holds E4M3 NaN patterns (0x7F/0xFF); NVFP4 block scales must be finite")
-    return _tile_scales(v * _BF16_SCALE_FACTOR, lay)
+    return scale
 
 
-def unpack_e4m3_scale_tiles(tiles: torch.Tensor, k: int) -> torch.Tensor:
-    """Inverse of :func:`pack_e4m3_scale_tiles`: bf16 [..., R, KT, 64] -> float8_e4m3fn [..., 16R, k/16]."""
-    return _block_scales(tiles, k).to(torch.float8_e4m3fn).contiguous()
+def pack_nvfp4_scales(packed: torch.Tensor, scale: torch.Tensor, name: str = "scale"
+                      ) -> tuple[torch.Tensor, torch.Tensor, BlockExceptions]:
+    """NVFP4 nibbles uint8 [..., rows, k/2] and E4M3 block scales (float8_e4m3fn or its uint8
+    bits) [..., rows, k/16] -> (nibbles uint8 [..., rows, k/2] to tile, E5M3_16 scale words int32
+    [..., rows/16, ceil(k/64), 16], BlockExceptions). The nibbles are the input itself unless a
+    block has a zero or negative scale (then a changed copy: the input is never modified).
+    NaN scale patterns are refused; errors name the tensor ``name``."""
+    bits = _e4m3_bits(scale, name)
+    *lead, rows, groups = bits.shape
+    lay = FP4TileLayout(rows, groups * formats.NVFP4_BLOCK)
+    negative = bits >= 0x80
+    zero = (bits & 0x7F) == 0
+    special = negative | zero
+    magnitude = (bits & 0x7F).view(torch.float8_e4m3fn).float()
+    u = ((magnitude * _BF16_SCALE_FACTOR).to(torch.bfloat16).view(torch.int16).to(torch.int64) >> 4) - _E5M3_FILL_BYTE
+    u = torch.where(zero, torch.full_like(u, _E5M3_ZERO), u)
+    exceptions = BlockExceptions.empty(bits.device)
+    if bool(special.any()):
+        blocks = packed.reshape(*lead, rows, groups, formats.NVFP4_BLOCK // 2)
+        kept_magnitude = (blocks & 0x77).amax(-1) != 0
+        exc = negative | (zero & kept_magnitude)
+        idx = torch.nonzero(exc.flatten()).flatten()
+        exceptions = BlockExceptions(idx, bits.flatten()[idx].contiguous(),
+                                     blocks.reshape(-1, formats.NVFP4_BLOCK // 2)[idx].contiguous())
+        flip = torch.where(negative, 0x88, 0).to(torch.uint8)[..., None]
+        keep = torch.where(zero, 0x88, 0xFF).to(torch.uint8)[..., None]
+        packed = ((blocks & keep) ^ flip).reshape(packed.shape)
+    return packed, _tile_scale_bytes(u, lay, E5M3_16), exceptions
+
+
+def unpack_nvfp4_scales(packed: torch.Tensor, words: torch.Tensor, exceptions: BlockExceptions, k: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_nvfp4_scales`: nibbles uint8 [..., rows, k/2] (unpacked from the
+    tiles) and E5M3_16 words -> (the original nibbles, float8_e4m3fn scales [..., rows, k/16])."""
+    u = _untile_scale_bytes(words, k, E5M3_16)
+    bf16 = ((((u + _E5M3_FILL_BYTE) << 4) & 0xFFFF).to(torch.int32) << 16).view(torch.float32)
+    scale = (bf16 / _BF16_SCALE_FACTOR).to(torch.float8_e4m3fn)
+    scale = torch.where(u == _E5M3_ZERO, torch.zeros_like(scale.view(torch.uint8)), scale.view(torch.uint8))
+    if len(exceptions):
+        shape = packed.shape
+        blocks = packed.reshape(-1, formats.NVFP4_BLOCK // 2).clone()
+        blocks[exceptions.index] = exceptions.nibbles
+        packed = blocks.reshape(shape)
+        scale = scale.flatten().clone()
+        scale[exceptions.index] = exceptions.scale
+        scale = scale.reshape(u.shape)
+    return packed, scale.view(torch.float8_e4m3fn).contiguous()
 
 
 def pack_e8m0_scale_tiles(e8m0: torch.Tensor, scale_2_exp: torch.Tensor, name: str = "e8m0") -> torch.Tensor:
     """MXFP4 block exponents uint8 [..., rows, k/32] (value 2^(e - 127), one per 32 elements) and
-    the per-matrix exponent m (int, [...] or a scalar) of scale_2 = 2^m -> bf16 scale tiles
-    [..., rows/16, ceil(k/64), 64] such that the kernel's weight equals
-    e2m1 x 2^(e - 127) exactly: each 16-block gets 2^(e - 127 - m) x 2^(126 - ACC_SHIFT).
+    the per-matrix exponent m (int, [...] or a scalar) of scale_2 = 2^m -> E8M0_32 scale words
+    int32 [..., rows/16, ceil(k/64), 8] such that the kernel's weight equals e2m1 x 2^(e - 127)
+    exactly: each 32-block's byte is the bf16 exponent field of 2^(e - 127 - m) x 2^(126 - ACC_SHIFT).
 
-    Exact where that power of two is a bf16 (e - 127 - m + 119 in [-133, 127]); refused
+    Exact where that field is in [1, 254]; field 0 (a block 254 binades below its matrix's
+    largest) is a zero scale, whose products the bf16 multiply would flush anyway. Refused
     otherwise with the count of blocks out of range. e8m0 = 255 (NaN) is refused; errors name
     the tensor ``name``."""
     if e8m0.dtype != torch.uint8:
@@ -232,19 +368,19 @@ def pack_e8m0_scale_tiles(e8m0: torch.Tensor, scale_2_exp: torch.Tensor, name: s
         raise ValueError(f"{name}: holds 255 (the E8M0 NaN); MXFP4 block exponents must be finite")
     *lead, rows, blocks32 = e8m0.shape
     m = torch.as_tensor(scale_2_exp, dtype=torch.int64, device=e8m0.device)
-    exp = e8m0.to(torch.int64) - formats.E8M0_BIAS - m.reshape(*m.shape, *([1] * 2)) + (E2M1_BF16_EXP_OFFSET - ACC_SHIFT)
-    bad = (exp < -133) | (exp > 127)
+    field = e8m0.to(torch.int64) - m.reshape(*m.shape, *([1] * 2)) + (E2M1_BF16_EXP_OFFSET - ACC_SHIFT - formats.E8M0_BIAS + 127)
+    bad = (field < 0) | (field > 254)
     if bad.any():
         raise ValueError(f"{name}: {int(bad.sum())} block exponents fall outside bf16 for the given scale_2 exponent")
-    v = torch.exp2(exp.double()).repeat_interleave(2, dim=-1)  # two 16-blocks per 32-block
     lay = FP4TileLayout(rows, blocks32 * formats.MXFP4_BLOCK)
-    return _tile_scales(v, lay)
+    return _tile_scale_bytes(field, lay, E8M0_32)
 
 
-def dequantize_tiles(tiles: torch.Tensor, scale_tiles: torch.Tensor, k: int) -> torch.Tensor:
+def dequantize_tiles(tiles: torch.Tensor, scale_words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.Tensor:
     """Plain-torch value of kernel-layout weights without scale_2: uint8 [..., R, KT, 512] and
-    bf16 [..., R, KT, 64] -> float32 [..., 16R, k] = e2m1 x block scale (exact). What the
-    kernels multiply, before the fp32 scale_2 x 2^ACC_SHIFT on the accumulator."""
+    scale words int32 [..., R, KT, fmt.words_per_tile] -> float32 [..., 16R, k] = e2m1 x block
+    scale (exact). What the kernels multiply, before the fp32 scale_2 x 2^ACC_SHIFT on the
+    accumulator."""
     codes = formats.unpack_e2m1(unpack_e2m1_tiles(tiles, k))
-    scale = _block_scales(scale_tiles, k)
-    return formats.e2m1_to_float(codes) * scale.repeat_interleave(formats.NVFP4_BLOCK, dim=-1)
+    scale = decode_scale_words(scale_words, k, fmt)
+    return formats.e2m1_to_float(codes) * scale.repeat_interleave(fmt.block, dim=-1)

@@ -45,15 +45,19 @@ class NVFP4MoEWeights:
 
       w13         uint8 [E, 2I/16, ceil(H/64), 512]  gate (w1) rows 0..I-1, then up (w3) rows
                                                      I..2I-1, bit-placed E2M1 nibbles in MMA tiles
-      w13_scale   bf16  [E, 2I/16, ceil(H/64), 64]   block-16 scales x 2^(126 - ACC_SHIFT)
+      w13_scale   int32 [E, 2I/16, ceil(H/64), W]    block scale words, one byte per scale
+                                                     (W = 16: E5M3_16, W = 8: E8M0_32)
       w13_scale_2 float32 [E, 2]                     (gate, up) per-tensor scales
       w2          uint8 [E, H/16, ceil(I/64), 512]
-      w2_scale    bf16  [E, H/16, ceil(I/64), 64]
+      w2_scale    int32 [E, H/16, ceil(I/64), W]
       w2_scale_2  float32 [E]
-    value = e2m1(nibble) x e4m3(scale) x scale_2, as in ModelOpt. Built by :meth:`from_modelopt`
+      scale_format  layout.E5M3_16 (NVFP4) or layout.E8M0_32 (the MXFP4 release)
+      w13_exceptions, w2_exceptions  layout.BlockExceptions: original bytes of zero- or
+                                     negative-scale blocks the layout changed (usually empty)
+    value = e2m1(nibble) x block scale x scale_2, as in ModelOpt. Built by :meth:`from_modelopt`
     (SGLang's NVFP4 MoE tensors) or :meth:`from_mxfp4`; :meth:`to_modelopt` gives the canonical
-    tensors back bit for bit. The layout holds the nibbles once (K padded to 64) and the scales
-    as bf16: the ModelOpt bytes plus one byte per 16 weights.
+    tensors back (bit for bit from ModelOpt). The layout holds the checkpoint's bytes, K padded
+    to 64: 0.5625 B per weight for NVFP4, 0.53125 for MXFP4 (layout.py).
     """
 
     w13: torch.Tensor
@@ -64,6 +68,9 @@ class NVFP4MoEWeights:
     w2_scale_2: torch.Tensor
     hidden_size: int
     intermediate_size: int
+    scale_format: layout.ScaleFormat = layout.E5M3_16
+    w13_exceptions: layout.BlockExceptions | None = None
+    w2_exceptions: layout.BlockExceptions | None = None
 
     @property
     def num_experts(self) -> int:
@@ -107,15 +114,20 @@ class NVFP4MoEWeights:
         _shape(w13_scale, "w13_scale", (E, 2 * I, H // 16))
         _shape(w2_scale, "w2_scale", (E, H, I // 16))
         _same_device(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+        n13, s13, x13 = layout.pack_nvfp4_scales(w13, w13_scale, "w13_scale")
+        n2, s2, x2 = layout.pack_nvfp4_scales(w2, w2_scale, "w2_scale")
         return cls(
-            w13=layout.pack_e2m1_tiles(w13),
-            w13_scale=layout.pack_e4m3_scale_tiles(w13_scale, "w13_scale"),
+            w13=layout.pack_e2m1_tiles(n13),
+            w13_scale=s13,
             w13_scale_2=_gate_up_scale_2(w13_scale_2, E),
-            w2=layout.pack_e2m1_tiles(w2),
-            w2_scale=layout.pack_e4m3_scale_tiles(w2_scale, "w2_scale"),
+            w2=layout.pack_e2m1_tiles(n2),
+            w2_scale=s2,
             w2_scale_2=w2_scale_2.reshape(E).contiguous(),
             hidden_size=H,
             intermediate_size=I,
+            scale_format=layout.E5M3_16,
+            w13_exceptions=x13,
+            w2_exceptions=x2,
         )
 
     @classmethod
@@ -167,22 +179,34 @@ class NVFP4MoEWeights:
             w2_scale_2=torch.exp2(m2.float()).contiguous(),
             hidden_size=H,
             intermediate_size=I,
+            scale_format=layout.E8M0_32,
         )
 
     def to_modelopt(self) -> ModelOptMoETensors:
-        """The canonical ModelOpt tensors (new tensors, unpacked from the kernel layout)."""
+        """The canonical ModelOpt tensors (new tensors, unpacked from the kernel layout). Bit for
+        bit what from_modelopt took; from MXFP4, the cast's tensors where it is exact."""
         H, I = self.hidden_size, self.intermediate_size
-        return ModelOptMoETensors(
-            layout.unpack_e2m1_tiles(self.w13, H),
-            layout.unpack_e4m3_scale_tiles(self.w13_scale, H),
-            self.w13_scale_2,
-            layout.unpack_e2m1_tiles(self.w2, I),
-            layout.unpack_e4m3_scale_tiles(self.w2_scale, I),
-            self.w2_scale_2,
-        )
+        w13, s13 = self._unpack(self.w13, self.w13_scale, self.w13_exceptions, H)
+        w2, s2 = self._unpack(self.w2, self.w2_scale, self.w2_exceptions, I)
+        return ModelOptMoETensors(w13, s13, self.w13_scale_2, w2, s2, self.w2_scale_2)
+
+    def _unpack(self, tiles, words, exceptions, k):
+        nibbles = layout.unpack_e2m1_tiles(tiles, k)
+        if self.scale_format == layout.E5M3_16:
+            return layout.unpack_nvfp4_scales(nibbles, words, exceptions or layout.BlockExceptions.empty(), k)
+        scale = layout.decode_scale_words(words, k, self.scale_format).repeat_interleave(2, dim=-1)
+        return nibbles, scale.to(torch.float8_e4m3fn).contiguous()
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 values e2m1 x block scale (no scale_2) of w13 [E, 2I, H] and w2 [E, H, I],
+        computed from the kernel layout as the kernels multiply them (tests, accuracy checks)."""
+        H, I, f = self.hidden_size, self.intermediate_size, self.scale_format
+        return layout.dequantize_tiles(self.w13, self.w13_scale, H, f), layout.dequantize_tiles(self.w2, self.w2_scale, I, f)
 
     def to(self, device) -> "NVFP4MoEWeights":
-        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in _TENSORS})
+        moved = {f: getattr(self, f).to(device) for f in _TENSORS}
+        moved.update({f: getattr(self, f).to(device) for f in ("w13_exceptions", "w2_exceptions") if getattr(self, f) is not None})
+        return dataclasses.replace(self, **moved)
 
 
 _TENSORS = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")

@@ -122,7 +122,9 @@ def _value_digest(weights: Any) -> str:
     tiled = isinstance(weights, NVFP4MoEWeights)  # else FP4MMAWeights: ModelOpt-layout nibbles + E4M3 scales
 
     def values(w: torch.Tensor, scale: torch.Tensor, k: int) -> torch.Tensor:
-        return (dequantize_tiles(w, scale, k) if tiled else formats.dequantize_nvfp4(w, scale, 1.0)).double()
+        if tiled:
+            return dequantize_tiles(w, scale, k, weights.scale_format).double()
+        return formats.dequantize_nvfp4(w, scale, 1.0).double()
 
     h = hashlib.sha256()
     for e in range(weights.num_experts):
