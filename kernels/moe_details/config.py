@@ -254,7 +254,10 @@ def heuristic_moe_config(
             if cost is None or cost.local_bytes:
                 continue
             tiles.append((t, cost))
-        return tiles
+        # A tile wider than K computes padding only past K, and its K-tail compile (registers,
+        # spills) is not the measured one: taken only when no tile fits K.
+        K = H if kind == "gemm1" else I
+        return [tc for tc in tiles if tc[0].block_k <= K] or tiles
 
     # The reduction is not the model's to choose: atomics only where even one slice's fp32 rows
     # would not fit, and no split that pushes the rows past the limit.
