@@ -292,6 +292,8 @@ def heuristic_moe_config(
         g1, g2 = best_gemm("gemm1", block_m, routing), best_gemm("gemm2", block_m, routing)
         if g1 is not None and g2 is not None:
             calls.append((g1[5] and g2[5], g1[0] + g2[0], g1[1] + g2[1], g1[3], g2[3]))
+    # GEMM1 column tiles that cover I exactly first: padding rows are streamed, not useful work.
+    calls = [c for c in calls if I % c[3].block_n == 0] or calls
     if not calls:
         raise RuntimeError(f"heuristic_moe_config: no measured tile launches for E={E}, H={H}, I={I} on sm_{arch}")
     calls = [c for c in calls if c[0]] or calls
