@@ -203,7 +203,8 @@ def test_unlaunchable_configs_are_dropped_before_they_run(monkeypatch):
 def test_offline_launch_check_measures_real_compiles():
     """The tuner's launch check compiles offline for sm90 (no GPU) and rejects a config whose
     shared memory exceeds the H200's 227 KiB per block (GEMM1 bm128 noswap bn64 bk256 at 3
-    stages: 270,336 B, which Triton would refuse at launch) and one that spills registers, and
+    stages: 266,240 B with 1-byte block scales (270,336 with the former bf16 ones: 2 buffered
+    stages x 2,048 B of scales), which Triton would refuse at launch) and one that spills registers, and
     passes a shipped decode config."""
     import os
     import subprocess
@@ -225,7 +226,7 @@ def test_offline_launch_check_measures_real_compiles():
     assert proc.returncode == 0, proc.stderr[-3000:]
     ok, big, spill = proc.stdout.strip().splitlines()
     assert ok == "None"
-    assert big == "gemm1 cannot launch on H200: shared memory 270336 B > 232448 B per block", big
+    assert big == "gemm1 cannot launch on H200: shared memory 266240 B > 232448 B per block", big
     assert spill.startswith("gemm1 spills ") and spill.endswith("bytes of local memory per thread (sm_90)"), spill
 
 
