@@ -63,8 +63,8 @@ def test_no_mma_loop_is_an_error():
 def test_shipped_decode_configs_dequantize_at_the_minimum_on_sm90(tmp_path):
     """bench/sass_report.py on the TP16 and EP16 decode configs (M = 1) of both GEMMs: the hot K
     loop's dequant is exactly 5 rotations and 4 bf16x2 scale products per word of 8 weights, plus
-    one rotation per 2 words for the 1-byte scales (NVFP4; per 4 words for the MXFP4 release's
-    E8M0 per 32), no byte shuffles, no I2F/F2F, no spills, within the loop budget. (Every shard and M, and
+    at most one rotation per 2 words for the 1-byte scales (NVFP4; per 4 words for the MXFP4
+    release's E8M0 per 32), no byte shuffles, no I2F/F2F, no spills, within the loop budget. (Every shard and M, and
     sm100, are covered by tests/test_launch_configs.py.)"""
     out = tmp_path / "model.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -90,7 +90,9 @@ def test_shipped_decode_configs_dequantize_at_the_minimum_on_sm90(tmp_path):
             assert k["family_mix"].get("convert", 0) == 0, k  # no I2F/F2F in the dequant
             words = k["weights_per_iteration"] // k["num_warps"] // 32 // 8  # per thread: 8 weights a word
             assert k["family_mix"]["f16x2"] == 4 * words, k  # one bf16x2 scale product per two weights
-            scale_rotations = words // 2 if r["checkpoint"] == "nvfp4" else words // 4
-            assert k["opcode_mix"].get("SHF.L.W.U32.HI", 0) == 5 * words + scale_rotations, k
+            # the scale words' rotations: at most one per second pair, i.e. per 2 words (NVFP4) or
+            # per 4 (E8M0 per 32); the mma.sync tiles' per-word decode shares them further.
+            scale_rotations = k["opcode_mix"].get("SHF.L.W.U32.HI", 0) - 5 * words
+            assert 0 <= scale_rotations <= (words // 2 if r["checkpoint"] == "nvfp4" else words // 4), k
             assert k["opcode_mix"].get("PRMT", 0) == 0, k  # no byte shuffles
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
