@@ -322,7 +322,13 @@ def floor_rows(result: dict) -> list[dict]:
     from k3nvfp4.kernels import perf_model as pm
 
     dev = pm.H200
-    peers = {"marlin": ("nvfp4", 0.5625), "flashinfer": ("mxfp4", 0.53125)}  # their weight streams
+    peers = {}  # implementation: (checkpoint, bytes per weight of its weight stream, from its model)
+    if result["marlin"]["rows"]:
+        from peers.marlin_model import MARLIN_BYTES_PER_WEIGHT  # importable once marlin_section ran
+
+        peers["marlin"] = ("nvfp4", MARLIN_BYTES_PER_WEIGHT)
+    if result["flashinfer"]["rows"]:
+        peers["flashinfer"] = ("mxfp4", result["flashinfer"]["statics"][0]["bytes_per_weight"])
 
     def loops(rows, pick):
         return [k["warp_instr_per_useful_weight"] for r in rows if "error" not in r and r.get("device", "H200") == "H200"
@@ -346,7 +352,7 @@ def floor_rows(result: dict) -> list[dict]:
         ipw = loops(result[sec]["rows"], lambda k: k.get("useful_weights", 0) > 0)
         add(sec, ckpt, bpw, ipw)
         if sec == "marlin":  # the MXFP4 release through marlin: E8M0 per 32, the NVFP4 instantiation's loop
-            add(sec, "mxfp4", 0.53125, ipw, "loop of marlin's NVFP4 instantiation")
+            add(sec, "mxfp4", _scale_format("mxfp4").bytes_per_weight, ipw, "loop of marlin's NVFP4 instantiation")
     return out
 
 

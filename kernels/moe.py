@@ -164,7 +164,7 @@ def fused_moe_nvfp4(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1, SPLIT_K=config.split_k1,
         SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
         EVEN_K=H % config.block_k1 == 0, SCALE_FMT=weights.scale_format.kernel_id,
-        PER_WORD=config.num_warps1 < 4,
+        PER_WORD=_k.per_word_scales(config.num_warps1),
         num_warps=config.num_warps1, num_stages=config.num_stages1,
     )
 
@@ -185,7 +185,7 @@ def fused_moe_nvfp4(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
         SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
         EVEN_K=I % config.block_k2 == 0, ATOMIC=config.atomic_reduce, SCALE_FMT=weights.scale_format.kernel_id,
-        PER_WORD=config.num_warps2 < 4,
+        PER_WORD=_k.per_word_scales(config.num_warps2),
         num_warps=config.num_warps2, num_stages=config.num_stages2,
     )
     return out

@@ -72,7 +72,7 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
         consts = dict(ATOMIC=g.atomic_reduce)
     consts.update(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, SWAP_AB=g.swap_ab,
                   DOT_DTYPE=tl_dtype, PRECISION=None, USE_ASM=True, EVEN_K=K_dim % g.block_k == 0, SCALE_FMT=scale_fmt,
-                  PER_WORD=g.num_warps < 4)
+                  PER_WORD=K.per_word_scales(g.num_warps))
     return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": g.num_warps, "num_stages": g.num_stages})
 

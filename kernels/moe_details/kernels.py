@@ -91,6 +91,13 @@ def _row_tiles(first, end, BLOCK_N: tl.constexpr):
     return tl.minimum(first + tl.arange(0, BLOCK_N // 16), end - 1)
 
 
+def per_word_scales(num_warps: int) -> bool:
+    """The kernels' PER_WORD constexpr for a GEMM launched with num_warps: below a warpgroup the
+    MMA is mma.sync, whose register path Triton keeps only when each word decodes its own scales
+    (_load_scale_pairs)."""
+    return num_warps < 4
+
+
 @triton.jit
 def _rotl8(x):
     return (x << 8) | (x >> 24)

@@ -239,8 +239,8 @@ def _tile_scale_bytes(codes: torch.Tensor, lay: FP4TileLayout, fmt: ScaleFormat)
     direct = (c[..., 0, 0] << fmt.shift) | (c[..., 1, 0] << (fmt.shift + 16))
     rotated = (c[..., 0, 1] << fmt.shift) | (c[..., 1, 1] << (fmt.shift + 16))
     words = direct | _rotr8(rotated)
-    return words.to(torch.int64).sub((words >= 1 << 31).long() << 32).to(torch.int32).reshape(
-        *lead, *lay.scale_shape(fmt)).contiguous()
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the int32 of the same bits
+    return words.to(torch.int32).reshape(*lead, *lay.scale_shape(fmt)).contiguous()
 
 
 def _untile_scale_bytes(words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.Tensor:
@@ -261,12 +261,17 @@ def _untile_scale_bytes(words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.
     return c.reshape(*lead, lay.rows, lay.k_padded // fmt.block)[..., : k // fmt.block]
 
 
+def _scale_values(codes: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
+    """Scale bytes (int64) -> float32 block scales: the bf16 the kernel's LOP3 makes of them,
+    ``(byte << shift) | fill``, without the 2^(126 - ACC_SHIFT)."""
+    bits = (codes << fmt.shift) | (fmt.fill & 0xFFFF)
+    return (bits.to(torch.int32) << 16).view(torch.float32) / _BF16_SCALE_FACTOR
+
+
 def decode_scale_words(words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.Tensor:
     """What the kernel multiplies by, without the 2^(126 - ACC_SHIFT): scale words int32
     [..., R, KT, words_per_tile] -> float32 block scales [..., 16R, k / fmt.block]."""
-    bits = (_untile_scale_bytes(words, k, fmt) << fmt.shift) | (fmt.fill & 0xFFFF)
-    bf16 = (bits.to(torch.int32) << 16).view(torch.float32)
-    return bf16 / _BF16_SCALE_FACTOR
+    return _scale_values(_untile_scale_bytes(words, k, fmt), fmt)
 
 
 @dataclass(frozen=True)
@@ -338,8 +343,7 @@ def unpack_nvfp4_scales(packed: torch.Tensor, words: torch.Tensor, exceptions: B
     """Inverse of :func:`pack_nvfp4_scales`: nibbles uint8 [..., rows, k/2] (unpacked from the
     tiles) and E5M3_16 words -> (the original nibbles, float8_e4m3fn scales [..., rows, k/16])."""
     u = _untile_scale_bytes(words, k, E5M3_16)
-    bf16 = ((((u + _E5M3_FILL_BYTE) << 4) & 0xFFFF).to(torch.int32) << 16).view(torch.float32)
-    scale = (bf16 / _BF16_SCALE_FACTOR).to(torch.float8_e4m3fn)
+    scale = _scale_values(u, E5M3_16).to(torch.float8_e4m3fn)
     scale = torch.where(u == _E5M3_ZERO, torch.zeros_like(scale.view(torch.uint8)), scale.view(torch.uint8))
     if len(exceptions):
         shape = packed.shape

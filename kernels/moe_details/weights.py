@@ -193,7 +193,7 @@ class NVFP4MoEWeights:
     def _unpack(self, tiles, words, exceptions, k):
         nibbles = layout.unpack_e2m1_tiles(tiles, k)
         if self.scale_format == layout.E5M3_16:
-            return layout.unpack_nvfp4_scales(nibbles, words, exceptions or layout.BlockExceptions.empty(), k)
+            return layout.unpack_nvfp4_scales(nibbles, words, layout.BlockExceptions.empty() if exceptions is None else exceptions, k)
         scale = layout.decode_scale_words(words, k, self.scale_format).repeat_interleave(2, dim=-1)
         return nibbles, scale.to(torch.float8_e4m3fn).contiguous()
 
