@@ -57,7 +57,7 @@ def test_every_shipped_config_launches_without_spills_within_budget(report):
                 failures.append(f"{where}: cannot launch ({k['why_not']})")
             if k["local_bytes"]:
                 failures.append(f"{where}: spills {k['local_bytes']} B")
-            bound = known_miss_bound(r["device"], r["shard"], kind) or pm.loop_budget(r["M"])
+            bound = known_miss_bound(r["device"], r["shard"], kind, r["M"]) or pm.loop_budget(r["M"])
             if k["warp_instr_per_useful_weight"] > bound:
                 failures.append(f"{where}: {k['warp_instr_per_useful_weight']:.4f} warp-instr/useful weight > {bound}")
             if k["family_mix"].get("convert", 0):
@@ -78,7 +78,8 @@ def test_tile_table_matches_the_compiles(report):
     """The heuristic's tile costs (tile_costs.COSTS) are what the compiler produces today: loop
     instructions, registers and shared memory of every shipped GEMM equal the table's entry
     (split-K and K tails change the epilogue: registers and instructions may move a little,
-    never the launchability or CTAs per SM the model assumed)."""
+    never the launchability or CTAs per SM the model assumed; GEMM2's entry is the worse of its
+    two reductions, so the shipped one's loop may be shorter)."""
     from k3nvfp4.kernels import perf_model as pm
     from k3nvfp4.kernels.moe_details.layout import E5M3_16, E8M0_32
     from k3nvfp4.kernels.moe_details.tile_costs import Tile, tile_cost
@@ -98,4 +99,8 @@ def test_tile_table_matches_the_compiles(report):
             assert k["shared_bytes"] <= cost.shared_bytes + 1024, where
             modelled = pm.occupancy(pm.DEVICES[r["device"]], cost.registers, 32 * cost.num_warps, cost.shared_bytes)[0]
             assert k["ctas_per_sm"] >= modelled, where
-            assert abs(k["instructions_per_iteration"] - cost.instructions_per_iteration) <= 0.05 * cost.instructions_per_iteration, where
+            measured, table = k["instructions_per_iteration"], cost.instructions_per_iteration
+            assert measured <= 1.05 * table, where
+            # GEMM2's entry is the worse of its two top-k reductions (tile_costs): the shipped one
+            # may be cheaper, never dearer. GEMM1 has one compile: it must match.
+            assert kind == "gemm2" or measured >= 0.95 * table, where

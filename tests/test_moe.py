@@ -50,6 +50,8 @@ CONFIGS = {
     "bm32": MoEConfig(block_m=32, swap_ab=False, block_n1=64, block_k1=128, block_n2=16, block_k2=64),
     "splitk": MoEConfig(block_m=16, block_n1=64, block_k1=32, split_k1=2, block_n2=64, block_k2=32, split_k2=2),
     "atomic": MoEConfig(block_m=16, block_n1=32, block_k1=64, block_n2=64, block_k2=32, atomic_reduce=True),
+    # The heuristic's deepest split: 16 one-step slices per GEMM.
+    "splitk16": MoEConfig(block_m=16, block_n1=128, block_k1=32, split_k1=16, block_n2=128, block_k2=32, split_k2=16),
 }
 
 
@@ -74,6 +76,7 @@ FP32_CASES = [
     (33, 1, 64, 80, 16, "situ", 25.0, "splitk"),
     (4, 8, 17, 48, 48, "situ", 25.0, "atomic"),
     (4, 2, 17, 144, 48, "silu", None, "splitk"),
+    (2, 1, 3, 512, 512, "situ", 25.0, "splitk16"),
 ]
 
 

@@ -54,6 +54,24 @@ DEFAULT_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 _MAX_TUNED_DISTANCE = 4
 # Above this size of the deterministic path's fp32 [split_k2, M*k, H] buffer the heuristic reduces with atomics.
 _MAX_PAIR_BUFFER_BYTES = 512 << 20
+# Candidates within _TIE of the fastest predicted time tie (fewest warp-instructions wins); those
+# within the loop budget win over faster ones only up to _BUDGET_SLACK. A stricter preference
+# would trade time for a per-pass count: at M = 1024 the 16-token tiles that meet 0.09 per pass
+# stream each expert twice (0.145 per useful weight, 3-5 % slower), and at prefill on sm_100 the
+# in-budget tiles were predicted 10-38 % slower.
+_TIE = 1.01
+_BUDGET_SLACK = 1.02
+
+
+def _near(scored: list, slack: float) -> list:
+    """The entries of (time, ...) tuples within ``slack`` x the fastest time."""
+    fastest = min(s[0] for s in scored)
+    return [s for s in scored if s[0] <= slack * fastest]
+
+
+def _prefer(scored: list, in_budget) -> list:
+    """The in-budget entries within _BUDGET_SLACK of the fastest (empty if none)."""
+    return [s for s in _near(scored, _BUDGET_SLACK) if in_budget(s)]
 
 
 @dataclass(frozen=True)
@@ -221,12 +239,14 @@ def heuristic_moe_config(
       (token, slot) pairs are local, so blocks are sized for the local pairs, not M x top_k / E.
     - arch: compute capability x 10 (None: the current device's, 90 without a GPU); the device
       model is the H200 below 100 and the B200 from 100, with num_sms overriding its SM count.
-    - Tiles that cannot launch (shared memory, registers) or spill are never chosen; those within
-      the loop budget (perf_model.loop_budget: warp-instructions per useful weight, tile padding
-      and K tails not useful) are preferred where any is. block_m (shared by both GEMMs) is the
-      one whose call is fastest; within 1% of the fastest time the candidate issuing the fewest
-      warp-instructions wins (the model's time is bytes-bound at most M; fewer instructions
-      leave issue slack for what the model does not see).
+    - Tiles that cannot launch (shared memory, registers) or spill are never chosen. Split-K is
+      1 to 16 per GEMM. block_m (shared by both GEMMs) is the one whose call is fastest; within
+      1% of the fastest time the candidate issuing the fewest warp-instructions wins (the
+      model's time is bytes-bound at most M; fewer instructions leave issue slack for what the
+      model does not see). Candidates within the loop budget (perf_model.loop_budget:
+      warp-instructions per useful weight pass, tile padding and K tails not useful) win over
+      faster ones that miss it, up to 2% of predicted time: never at the price of streaming an
+      expert's weights twice.
     - atomic_reduce (fp32 atomics into [M, H], one memset more) only when the deterministic
       path's fp32 [split_k2, M*k, H] buffer would exceed 512 MiB (large prefill batches).
     """
@@ -255,9 +275,13 @@ def heuristic_moe_config(
                 continue
             tiles.append((t, cost))
         # A tile wider than K computes padding only past K, and its K-tail compile (registers,
-        # spills) is not the measured one: taken only when no tile fits K.
+        # spills) is not the measured one: taken only when no tile fits K. GEMM1 column tiles
+        # that cover I exactly come first: padding rows are streamed, not useful work.
         K = H if kind == "gemm1" else I
-        return [tc for tc in tiles if tc[0].block_k <= K] or tiles
+        tiles = [tc for tc in tiles if tc[0].block_k <= K] or tiles
+        if kind == "gemm1":
+            tiles = [tc for tc in tiles if I % tc[0].block_n == 0] or tiles
+        return tiles
 
     # The reduction is not the model's to choose: atomics only where even one slice's fp32 rows
     # would not fit, and no split that pushes the rows past the limit.
@@ -268,7 +292,7 @@ def heuristic_moe_config(
         scored = []
         for tile, cost in options(kind, block_m):
             steps = -(-K // tile.block_k)
-            for split in (1, 2, 4, 8):
+            for split in (1, 2, 4, 8, 16):
                 if split > 1 and -(-steps // split) * (split - 1) >= steps:
                     break  # a slice would be empty
                 if kind == "gemm2" and not atomic and split * pairs * H * 4 > _MAX_PAIR_BUFFER_BYTES:
@@ -280,10 +304,8 @@ def heuristic_moe_config(
                     scored.append((pred.time_s, pred.warp_instructions, split, launch, pred))
         if not scored:
             return None
-        within = [s for s in scored if s[4].warp_instr_per_useful_weight <= budget]
-        scored = within or scored
-        fastest = min(s[0] for s in scored)
-        pick = min((s for s in scored if s[0] <= 1.01 * fastest), key=lambda s: (s[1], s[2]))
+        within = _prefer(scored, lambda s: s[4].warp_instr_per_useful_weight <= budget)
+        pick = min(within or _near(scored, _TIE), key=lambda s: (s[1], s[2]))
         return (*pick, bool(within))
 
     calls = []  # (both GEMMs within the budget, time, warp-instructions, launches)
@@ -292,13 +314,12 @@ def heuristic_moe_config(
         g1, g2 = best_gemm("gemm1", block_m, routing), best_gemm("gemm2", block_m, routing)
         if g1 is not None and g2 is not None:
             calls.append((g1[5] and g2[5], g1[0] + g2[0], g1[1] + g2[1], g1[3], g2[3]))
-    # GEMM1 column tiles that cover I exactly first: padding rows are streamed, not useful work.
-    calls = [c for c in calls if I % c[3].block_n == 0] or calls
+    calls = [c for c in calls if I % c[3].block_n == 0] or calls  # as options() for the tiles
     if not calls:
         raise RuntimeError(f"heuristic_moe_config: no measured tile launches for E={E}, H={H}, I={I} on sm_{arch}")
-    calls = [c for c in calls if c[0]] or calls
-    fastest = min(c[1] for c in calls)
-    _, _, _, l1, l2 = min((c for c in calls if c[1] <= 1.01 * fastest), key=lambda c: c[2])
+    calls = [(c[1], *c) for c in calls]  # time first, as _near and _prefer read it
+    within = _prefer(calls, lambda c: c[1])
+    _, _, _, _, l1, l2 = min(within or _near(calls, _TIE), key=lambda c: c[3])
     return MoEConfig(
         block_m=l1.block_m, swap_ab=l1.swap_ab,
         block_n1=l1.block_n, block_k1=l1.block_k, split_k1=l1.split_k, num_warps1=l1.num_warps,
