@@ -23,3 +23,27 @@ def test_kernels_compile_for_sm90_with_wgmma_and_pipelining():
             assert r["wgmma"] > 0, r  # Hopper MMA, not the mma.sync fallback
             assert r["async_copy"] > 0, r  # loads pipelined through shared memory
             assert r["shared_bytes"] <= 227 * 1024, r
+
+
+def test_offline_compiles_use_the_bundled_ptxas(monkeypatch):
+    """The tile tables are measured with Triton's bundled ptxas; an environment that points Triton
+    at another one (FlashInfer's triton package sets TRITON_PTXAS_BLACKWELL_PATH on import) must
+    not reach the compile, and is restored after it."""
+    import triton
+
+    from k3nvfp4.kernels.moe_details import compile_check
+    from k3nvfp4.kernels.moe_details.config import MoEConfig
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", "/opt/other/ptxas")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/other/ptxas")
+    seen = {}
+
+    def fake_compile(src, target=None, options=None):
+        seen.update({k: os.environ.get(k) for k in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")})
+        return "compiled"
+
+    monkeypatch.setattr(triton, "compile", fake_compile)
+    assert compile_check.compile_gemm("gemm1", MoEConfig(), 256, 128, 2, arch=100) == "compiled"
+    assert seen == {"TRITON_PTXAS_PATH": None, "TRITON_PTXAS_BLACKWELL_PATH": None}
+    assert os.environ["TRITON_PTXAS_BLACKWELL_PATH"] == os.environ["TRITON_PTXAS_PATH"] == "/opt/other/ptxas"

@@ -9,9 +9,11 @@ pipelining. Used by tests/test_moe_compile.py; run it with TRITON_INTERPRET unse
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from typing import Iterator
 
 
 def _source(fn, args: dict, consts: dict):
@@ -36,6 +38,23 @@ def _source(fn, args: dict, consts: dict):
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(fn, sig, constexprs=cx, attrs=attrs)
+
+
+# Environment variables through which Triton takes another ptxas than its bundled one.
+_PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
+
+
+@contextlib.contextmanager
+def bundled_ptxas() -> Iterator[None]:
+    """Compile with Triton's bundled ptxas: the tile tables and reports are measured with it, and
+    another ptxas schedules differently. Libraries set these on import: FlashInfer's triton
+    package points TRITON_PTXAS_BLACKWELL_PATH at any CUDA >= 13 ptxas on PATH, which changed
+    sm_100 loops by 3-6 % in a test run after a test had imported it."""
+    saved = {k: os.environ.pop(k) for k in _PTXAS_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _require_compiler() -> None:
@@ -73,8 +92,9 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     consts.update(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, SWAP_AB=g.swap_ab,
                   DOT_DTYPE=tl_dtype, PRECISION=None, USE_ASM=True, EVEN_K=K_dim % g.block_k == 0, SCALE_FMT=scale_fmt,
                   PER_WORD=K.per_word_scales(g.num_warps))
-    return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": g.num_warps, "num_stages": g.num_stages})
+    with bundled_ptxas():
+        return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": g.num_warps, "num_stages": g.num_stages})
 
 
 def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, scale_fmt: int = 0) -> dict:
