@@ -253,6 +253,15 @@ def test_malformed_mid_run_cli_exit_code(tmp_path, capsys):
                        "--no-progress", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and "arm 'triton_situ'" in err and "no non-empty 'choices'" in err
+    # A partial report says what is missing: every triton_situ request; marlin's may have run.
+    partial = json.loads((tmp_path / "o" / "partial.json").read_text())
+    assert "partial report:" in err and str(tmp_path / "o" / "partial.json") in err
+    assert partial["complete"] is False and partial["error"]["type"] == "MalformedResponse"
+    assert partial["requests"] == 4 and partial["answered"] + len(partial["missing"]) == 4
+    assert len([m for m in partial["missing"] if m["arm"] == "triton_situ"]) == 2  # it never answers
+    answered = [json.loads(x) for x in (tmp_path / "o" / "completions.partial.jsonl").read_text().splitlines()]
+    assert len(answered) == partial["answered"] and all(a["arm"] == "marlin" and a["content"] == "Answer: B" for a in answered)
+    assert not (tmp_path / "o" / "report.json").exists()
 
 
 def test_print_launch(capsys):

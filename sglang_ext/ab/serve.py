@@ -4,7 +4,10 @@ Seed 0 is the greedy pass (temperature 0, logprobs + top_logprobs requested): fi
 agreement and token-level agreement. Seeds 1..n-1 sample with temperature 0.6, top_p 0.95
 (the seed model card's GPQA protocol). pass@1 per arm = mean over seeds of the per-seed
 accuracy on graded prompts, with its sample standard deviation. Truncated completions
-(finish_reason "length") are counted separately from wrong answers.
+(finish_reason "length") are counted separately from wrong answers. A run stopped by an
+environment error (a server down, a timeout after the retries, an HTTP error, a malformed
+answer) writes partial.json instead of report.json: the error, the requests answered and every
+missing (arm, seed, prompt).
 """
 
 from __future__ import annotations
@@ -121,9 +124,10 @@ def _payload(cfg: ServeConfig, model: str, prompt: Prompt, seed: int) -> dict:
     return p
 
 
-def _run_all(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progress: bool) -> dict[tuple, Completion]:
-    """Run every request; the first environment error cancels the rest and is raised."""
-    out: dict[tuple, Completion] = {}
+def _run_all(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progress: bool,
+             out: dict[tuple, Completion]) -> None:
+    """Run every request into ``out`` (key -> Completion); the first environment error cancels
+    the rest and is raised, with ``out`` holding the requests answered until then."""
     bar = None
     if progress:
         from tqdm import tqdm
@@ -145,7 +149,24 @@ def _run_all(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progr
         pool.shutdown(wait=not failed, cancel_futures=True)
         if bar:
             bar.close()
-    return out
+
+
+def _write_partial(cfg: ServeConfig, jobs: list, comps: dict[tuple, Completion], error: ABError) -> Path:
+    """partial.json (what failed, what was answered, every missing request) and the answered
+    completions, for a run stopped by an environment error. report.json is not written."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    missing = [{"arm": arm, "seed": seed, "prompt_id": pid} for _, _, (arm, seed, pid) in jobs
+               if (arm, seed, pid) not in comps]
+    answered = [{"arm": arm, "seed": seed, "prompt_id": pid, "finish_reason": c.finish_reason, "content": c.content,
+                 "completion_tokens": c.completion_tokens} for (arm, seed, pid), c in sorted(comps.items())]
+    write_text_atomic(out / "completions.partial.jsonl", "".join(json.dumps(a) + "\n" for a in answered))
+    cfg_d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    path = out / "partial.json"
+    write_json(path, {"complete": False, "error": {"type": type(error).__name__, "message": str(error)},
+                      "requests": len(jobs), "answered": len(comps), "missing": missing,
+                      "files": {"completions": "completions.partial.jsonl"}, "config": cfg_d})
+    return path
 
 
 def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
@@ -171,7 +192,13 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
     jobs = [(c, _payload(cfg, arms_info[c.name]["model"], p, s), (c.name, s, p.id))
             for s in range(cfg.seeds) for c in clients for p in prompts]
     t0 = time.perf_counter()
-    comps = _run_all(jobs, cfg.concurrency, cfg.progress)
+    comps: dict[tuple, Completion] = {}
+    try:
+        _run_all(jobs, cfg.concurrency, cfg.progress, comps)
+    except ABError as e:
+        path = _write_partial(cfg, jobs, comps, e)
+        raise type(e)(f"{e}\npartial report: {path} ({len(comps)} of {len(jobs)} requests answered; "
+                      "partial.json lists the missing ones; no report.json)") from e
     wall = time.perf_counter() - t0
 
     results: dict[tuple, RequestResult] = {}
@@ -291,3 +318,5 @@ def _write_serve_outputs(rep: ServeABReport, cfg: ServeConfig, comps: dict, resu
     rep.files = files
     write_text_atomic(out / "summary.md", summary_markdown(rep))
     write_json(out / "report.json", rep.to_dict())
+    for stale in ("partial.json", "completions.partial.jsonl"):  # of an earlier, failed run into this directory
+        (out / stale).unlink(missing_ok=True)

@@ -1,0 +1,167 @@
+"""The A/B serve tool against real SGLang servers (tiny random Llamas on CPU), not fake ones.
+
+Two ``sglang.launch_server`` processes (tests/real_server.py: the production command builder's
+arguments for one node, plus CPU flags, with the sgl_kernel stand-in of tests/fixtures/sglang_cpu)
+serve arm A and arm B: the same random Llama, B with its lm_head perturbed, so their greedy
+streams share some tokens and not others. The report is checked against values computed here
+from the servers' own answers, then three faults against a real server: a request it rejects,
+a timeout, and a server killed mid-run. What only a GPU can show (K3 accuracy, the kernels'
+speed) is not here: docs/ab.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import pytest
+
+from k3nvfp4.sglang_ext.ab import cli
+from real_server import SGLangServer, write_tiny_llama
+
+MAX_TOKENS = 12
+TOP = 5
+PROMPTS = [
+    {"id": "free-1", "prompt": "w001 w002 w003"},
+    {"id": "free-2", "prompt": "w100 w017"},
+    {"id": "ar-1", "kind": "arith", "question": "w042 w043 w044", "answer": "7"},
+    {"id": "mc-1", "question": "w200", "choices": ["w001", "w002"], "answer": "A"},
+]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Arms A and B, started together (each waits ~20-40 s for its model on 2 cores)."""
+    d = tmp_path_factory.mktemp("llamas")
+    a = SGLangServer(write_tiny_llama(d / "a", seed=0), d / "a.log")
+    b = SGLangServer(write_tiny_llama(d / "b", seed=0, perturb_lm_head=0.1), d / "b.log")
+    started = []
+    try:
+        for s in (a, b):
+            started.append(s.start())
+        for s in started:
+            s.wait_ready()
+        yield a, b
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+def _serve(a, b, out, prompt_file, *extra) -> int:
+    return cli.main(["serve", "--arm", f"a={a.url}", "--arm", f"b={b.url}", "--prompts", str(prompt_file),
+                     "--no-progress", "--out", str(out), *extra])
+
+
+def _greedy(server, text: str) -> list[dict]:
+    """Arm's greedy token stream for one user message, asked directly (the A/B's seed-0 request)."""
+    body = server.chat({"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS,
+                        "temperature": 0.0, "seed": 0, "logprobs": True, "top_logprobs": TOP})
+    return body["choices"][0]["logprobs"]["content"]
+
+
+def test_serve_report_matches_the_servers_answers(servers, prompt_file, tmp_path):
+    from k3nvfp4.sglang_ext.ab.prompts import load_prompts
+
+    a, b = servers
+    out = tmp_path / "ab"
+    assert _serve(a, b, out, prompt_file, "--seeds", "2", "--top-logprobs", str(TOP), "--max-tokens",
+                  str(MAX_TOKENS)) == 0
+    rep = json.loads((out / "report.json").read_text())
+    texts = {p.id: p.text for p in load_prompts(str(prompt_file))}
+
+    # Independently: each arm's greedy stream, first divergence, aligned positions, top-1 agreement.
+    identical, aligned, top1_same, per_prompt = 0, 0, 0, {r["id"]: r for r in rep["per_prompt"]}
+    for pid, text in texts.items():
+        ta, tb = _greedy(a, text), _greedy(b, text)
+        assert ta and tb and all(len(t["top_logprobs"]) == TOP for t in ta + tb)
+        sa, sb = [t["token"] for t in ta], [t["token"] for t in tb]
+        d = next((i for i, (x, y) in enumerate(zip(sa, sb)) if x != y), None)
+        if d is None and len(sa) != len(sb):
+            d = min(len(sa), len(sb))
+        row = per_prompt[pid]
+        assert (row["first_divergence"], row["tokens_a"], row["tokens_b"]) == (d, len(sa), len(sb)), pid
+        identical += d is None
+        n = min(len(sa), len(sb)) if d is None else min(d + 1, len(sa), len(sb))
+        aligned += n
+        for i in range(n):
+            best = [max(t["top_logprobs"], key=lambda x: x["logprob"])["token"] for t in (ta[i], tb[i])]
+            top1_same += best[0] == best[1]
+    g = rep["greedy"]
+    assert g["prompts"] == len(PROMPTS) and g["identical_token_streams"] == identical
+    assert g["aligned_positions"] == aligned and math.isclose(g["top1_agreement"], top1_same / aligned)
+    assert g["prompts_without_logprobs"] == {"a": 0, "b": 0}
+    # The arms are neither equal nor unrelated: some greedy tokens agree, some prompt diverges.
+    assert aligned > len(PROMPTS) and identical < len(PROMPTS)
+
+    # Every request answered and recorded: 4 prompts x 2 seeds per arm, greedy content as served.
+    comps = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(comps) == 2 * 2 * len(PROMPTS) and {c["arm"] for c in comps} == {"a", "b"}
+    assert rep["accuracy"]["a"]["requests"] == rep["accuracy"]["b"]["requests"] == 2 * len(PROMPTS)
+    for c in comps:
+        assert c["finish_reason"] in ("stop", "length") and c["completion_tokens"] <= MAX_TOKENS
+    for name in ("divergence_hist.png", "accuracy.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "partial.json").exists()
+
+
+def _partial(out) -> dict:
+    p = json.loads((out / "partial.json").read_text())
+    assert p["complete"] is False and p["answered"] + len(p["missing"]) == p["requests"]
+    assert not (out / "report.json").exists()
+    return p
+
+
+def test_rejected_request_is_named_with_a_partial_report(servers, prompt_file, tmp_path, capsys):
+    a, b = servers
+    out = tmp_path / "ab"
+    # 600 new tokens do not fit the 512-token context: SGLang answers HTTP 400, never retried.
+    assert _serve(a, b, out, prompt_file, "--max-tokens", "600", "--retries", "3") == 2
+    err = capsys.readouterr().err
+    assert "HTTP 400" in err and "partial report:" in err
+    p = _partial(out)
+    assert p["error"]["type"] == "ServerError" and p["missing"]
+
+
+def test_timeout_is_named_with_a_partial_report(servers, prompt_file, tmp_path, capsys):
+    a, b = servers
+    out = tmp_path / "ab"
+    t0 = time.monotonic()
+    assert _serve(a, b, out, prompt_file, "--max-tokens", "400", "--timeout", "0.3", "--retries", "1",
+                  "--backoff", "0.05", "--concurrency", "1") == 2
+    err = capsys.readouterr().err
+    assert "no answer within --timeout 0.3 s (2 attempt(s))" in err and "partial report:" in err
+    assert _partial(out)["error"]["type"] == "EndpointTimeout"
+    assert time.monotonic() - t0 < 30
+
+
+def test_server_killed_mid_run_gives_a_partial_report(servers, prompt_file, tmp_path, capsys):
+    """Last in the module: it kills arm B's server."""
+    a, b = servers
+    out = tmp_path / "ab"
+    rc = {}
+    posts = lambda: b.log_tail(10**7).count("POST /v1/chat/completions")  # noqa: E731
+    before = posts()
+    run = threading.Thread(target=lambda: rc.update(v=_serve(a, b, out, prompt_file, "--seeds", "4", "--max-tokens",
+                                                               "200", "--concurrency", "1", "--retries", "1",
+                                                               "--backoff", "0.2")))
+    run.start()
+    deadline = time.monotonic() + 60
+    while posts() < before + 2 and time.monotonic() < deadline:  # B has answered two of this run's requests
+        time.sleep(0.05)
+    b.kill()
+    run.join(timeout=120)
+    assert not run.is_alive() and rc["v"] == 2
+    err = capsys.readouterr().err
+    assert "arm 'b'" in err and ("cannot connect" in err or "connection failed" in err) and "partial report:" in err
+    p = _partial(out)
+    assert p["error"]["type"] == "EndpointDown" and 0 < p["answered"] < p["requests"]
+    assert any(m["arm"] == "b" for m in p["missing"])
