@@ -26,6 +26,11 @@ FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "sglang_cpu"
 # for GPUs; the later flag wins).
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
              "--skip-server-warmup", "--max-total-tokens", "4096", "--mem-fraction-static", "0.05")
+# Kimi-K3 (synthetic) on the CPU engine, beyond CPU_FLAGS: the KDA state cache without the
+# extra buffer (sglang/srt/arg_groups/mamba_hook.py:120 asserts GPU support for it; no_buffer
+# requires the overlap scheduler off), and fp16 (Triton's interpreter has no bf16 scalars:
+# "InterpreterBuilder has no attribute get_bf16" in SGLang's FLA kernels).
+K3_CPU_FLAGS = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule", "--dtype", "float16")
 WORDS = tuple(f"w{i:03d}" for i in range(240))  # the tiny tokenizer's words: distinct, readable
 
 
@@ -53,6 +58,20 @@ def write_tiny_tokenizer(out: Path) -> int:
                           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     fast.save_pretrained(out)
     return len(vocab)
+
+
+def write_k3_text_processor(out: Path) -> Path:
+    """A --tokenizer-path directory for the synthetic K3 checkpoint: the tiny tokenizer (its 245
+    ids fit the synthetic vocabulary of 256) and the test-only text processor SGLang's Kimi-K3
+    multimodal processor needs (tests/fixtures/sglang_cpu/k3_processor)."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_tiny_tokenizer(out)
+    shutil.copy(FIXTURE_DIR / "k3_processor" / "processing_tiny_k3.py", out)
+    (out / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "TinyK3Processor", "auto_map": {"AutoProcessor": "processing_tiny_k3.TinyK3Processor"}}))
+    return out
 
 
 def write_tiny_llama(out: Path, *, seed: int = 0, perturb_lm_head: float = 0.0) -> Path:
@@ -106,7 +125,7 @@ class SGLangServer:
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.env = dict(os.environ)
-        self.env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PLUGINS": "k3nvfp4",
+        self.env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PLUGINS": "k3nvfp4", "K3NVFP4_TEST_SGLANG_CPU": "1",
                          "PYTHONPATH": os.pathsep.join([str(FIXTURE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])})
         self.env.update(env or {})
         self.proc: subprocess.Popen | None = None

@@ -1,0 +1,63 @@
+"""``--moe-runner-backend triton_situ`` in a real SGLang server process, on CPU: the synthetic
+Kimi-K3 checkpoint, cast to NVFP4 and as the MXFP4 release, served over HTTP.
+
+``python -m sglang.launch_server`` (tests/real_server.py, the production command builder's
+arguments plus CPU flags) loads the checkpoint with the k3nvfp4 plugin, found through its entry
+point in the spawned scheduler; the MoE kernels run in Triton's interpreter. A test hook in
+tests/fixtures/sglang_cpu/sitecustomize.py records every fused_moe_nvfp4 call of the server's
+processes: that the MoE layers are served by the project's kernels, with which weight layout,
+and SGLang's loading timeout as the plugin set it from K3NVFP4_LOAD_TIMEOUT_S. Requests are
+prefill-only (max_tokens=1): decoding on the CPU engine reaches the KDA conv-state update
+(torch.ops.sgl_kernel.causal_conv1d_update_cpu, sglang/srt/layers/attention/linear/
+kda_backend.py:39), which exists only in sgl_kernel's CPU build.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from real_server import K3_CPU_FLAGS, SGLangServer, write_k3_text_processor
+
+CKPT_SHAPE = dict(num_layers=2, num_experts=8, hidden_size=64, intermediate_size=64, top_k=4)
+LOAD_TIMEOUT_S = 1234  # SGLang's default is 480
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory):
+    """The synthetic release (MXFP4), its NVFP4 cast, and the text processor directory."""
+    from k3nvfp4.checkpoint.cli import main as cast_main
+    from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("k3")
+    mxfp4 = write_synthetic_checkpoint(root / "mxfp4", num_shards=2, seed=7, **CKPT_SHAPE)
+    nvfp4 = root / "nvfp4"
+    assert cast_main(["--source_ckpt", str(mxfp4), "--output_ckpt", str(nvfp4), "--workers", "1",
+                      "--no-progress"]) == 0
+    return {"nvfp4": nvfp4, "mxfp4": mxfp4, "tokenizer": write_k3_text_processor(root / "tokenizer")}
+
+
+@pytest.mark.parametrize("checkpoint,scale_format", [("nvfp4", "e5m3/16"), ("mxfp4", "e8m0/32")])
+def test_triton_situ_serves_k3_over_http(k3, tmp_path, checkpoint, scale_format):
+    calls = tmp_path / "moe_calls.jsonl"
+    server = SGLangServer(k3[checkpoint], tmp_path / "server.log", extra=K3_CPU_FLAGS + ("--tokenizer-path", str(k3["tokenizer"])),
+                          env={"TRITON_INTERPRET": "1", "K3NVFP4_LOAD_TIMEOUT_S": str(LOAD_TIMEOUT_S),
+                               "K3NVFP4_TEST_MOE_CALLS": str(calls)}, ready_timeout_s=240)
+    assert "--moe-runner-backend triton_situ" in " ".join(server.cmd)
+    with server:
+        log = server.log_tail(10**7)
+        assert "k3nvfp4: MoE runner backend triton_situ active: 8 local of 8 experts" in log
+        body = server.chat({"model": "k3", "messages": [{"role": "user", "content": "w001 w002 w003"}],
+                            "max_tokens": 1, "temperature": 0.0}, timeout_s=300)
+        server_pid = server.proc.pid
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 1
+    records = [json.loads(x) for x in calls.read_text().splitlines()]
+    # One MoE layer (layer 1; layer 0 is dense), one prefill: one call, in a worker process.
+    assert len(records) == 1, records
+    (r,) = records
+    assert r["pid"] != server_pid and r["experts"] == 8 and r["hidden"] == CKPT_SHAPE["hidden_size"]
+    assert r["tokens"] >= 3 and r["out_finite"]  # the prompt's words, the chat template's markers
+    assert r["scale_format"] == scale_format  # the release is served in its own E8M0 layout
+    assert r["load_timeout_s"] == LOAD_TIMEOUT_S
