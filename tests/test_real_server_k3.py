@@ -6,10 +6,11 @@ arguments plus CPU flags) loads the checkpoint with the k3nvfp4 plugin, found th
 point in the spawned scheduler; the MoE kernels run in Triton's interpreter. A test hook in
 tests/fixtures/sglang_cpu/sitecustomize.py records every fused_moe_nvfp4 call of the server's
 processes: that the MoE layers are served by the project's kernels, with which weight layout,
-and SGLang's loading timeout as the plugin set it from K3NVFP4_LOAD_TIMEOUT_S. Requests are
-prefill-only (max_tokens=1): decoding on the CPU engine reaches the KDA conv-state update
-(torch.ops.sgl_kernel.causal_conv1d_update_cpu, sglang/srt/layers/attention/linear/
-kda_backend.py:39), which exists only in sgl_kernel's CPU build.
+and SGLang's loading timeout as the plugin set it from K3NVFP4_LOAD_TIMEOUT_S. A request
+prefills and decodes a few greedy tokens; the cast and the release, served through their two
+weight layouts (E4M3 scales per 16 re-encoded, E8M0 per 32 as released), must agree on them.
+The synthetic model has no MLA layer (two layers: dense, then KDA + MoE), so SGLang's MLA decode
+kernels are not reached.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from real_server import K3_CPU_FLAGS, SGLangServer, write_k3_text_processor
 
 CKPT_SHAPE = dict(num_layers=2, num_experts=8, hidden_size=64, intermediate_size=64, top_k=4)
 LOAD_TIMEOUT_S = 1234  # SGLang's default is 480
+NEW_TOKENS = 3
+STREAMS: dict[str, list[dict]] = {}  # checkpoint -> greedy logprobs, for the last test
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +52,30 @@ def test_triton_situ_serves_k3_over_http(k3, tmp_path, checkpoint, scale_format)
         log = server.log_tail(10**7)
         assert "k3nvfp4: MoE runner backend triton_situ active: 8 local of 8 experts" in log
         body = server.chat({"model": "k3", "messages": [{"role": "user", "content": "w001 w002 w003"}],
-                            "max_tokens": 1, "temperature": 0.0}, timeout_s=300)
+                            "max_tokens": NEW_TOKENS, "temperature": 0.0, "logprobs": True, "top_logprobs": 3},
+                           timeout_s=300)
         server_pid = server.proc.pid
     choice = body["choices"][0]
-    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 1
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == NEW_TOKENS
+    STREAMS[checkpoint] = choice["logprobs"]["content"]
     records = [json.loads(x) for x in calls.read_text().splitlines()]
-    # One MoE layer (layer 1; layer 0 is dense), one prefill: one call, in a worker process.
-    assert len(records) == 1, records
-    (r,) = records
-    assert r["pid"] != server_pid and r["experts"] == 8 and r["hidden"] == CKPT_SHAPE["hidden_size"]
-    assert r["tokens"] >= 3 and r["out_finite"]  # the prompt's words, the chat template's markers
-    assert r["scale_format"] == scale_format  # the release is served in its own E8M0 layout
-    assert r["load_timeout_s"] == LOAD_TIMEOUT_S
+    # One MoE layer (layer 1; layer 0 is dense): one call for the prefill, one per decoded token
+    # after the first, all in a worker process.
+    assert len(records) == NEW_TOKENS, records
+    assert server_pid not in {r["pid"] for r in records} and all(r["out_finite"] for r in records)
+    assert records[0]["tokens"] >= 3 and [r["tokens"] for r in records[1:]] == [1] * (NEW_TOKENS - 1)
+    for r in records:
+        assert r["experts"] == 8 and r["hidden"] == CKPT_SHAPE["hidden_size"]
+        assert r["scale_format"] == scale_format  # the release is served in its own E8M0 layout
+        assert r["load_timeout_s"] == LOAD_TIMEOUT_S
+
+
+def test_cast_and_release_decode_the_same_tokens():
+    """The same experts through the two layouts: the same greedy tokens, logprobs within fp16
+    rounding of the rest of the model."""
+    if set(STREAMS) != {"nvfp4", "mxfp4"}:
+        pytest.fail(f"needs both servers' streams (the parametrized test above failed?): got {sorted(STREAMS)}")
+    a, b = STREAMS["nvfp4"], STREAMS["mxfp4"]
+    assert [t["token"] for t in a] == [t["token"] for t in b]
+    for ta, tb in zip(a, b):
+        assert abs(ta["logprob"] - tb["logprob"]) < 1e-2, (ta, tb)
