@@ -57,6 +57,17 @@ def bundled_ptxas() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def compile_kernel(fn, args: dict, consts: dict, arch: int, num_warps: int, num_stages: int):
+    """triton.compile of a jit kernel for sm<arch> with a real launch's specialisations (_source)
+    and Triton's bundled ptxas: the one offline compile path of the project."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with bundled_ptxas():
+        return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+
+
 def _require_compiler() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
@@ -66,9 +77,7 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     """Compile GEMM1 ("gemm1", with SiTU) or GEMM2 ("gemm2") at one MoEConfig for sm<arch>, with
     the specialisations of a real launch. Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
     _require_compiler()
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
 
     from . import kernels as K
 
@@ -92,9 +101,7 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     consts.update(BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, SPLIT_K=g.split_k, SWAP_AB=g.swap_ab,
                   DOT_DTYPE=tl_dtype, PRECISION=None, USE_ASM=True, EVEN_K=K_dim % g.block_k == 0, SCALE_FMT=scale_fmt,
                   PER_WORD=K.per_word_scales(g.num_warps))
-    with bundled_ptxas():
-        return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": g.num_warps, "num_stages": g.num_stages})
+    return compile_kernel(fn, args, consts, arch, g.num_warps, g.num_stages)
 
 
 def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, scale_fmt: int = 0) -> dict:
@@ -133,12 +140,10 @@ def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
 def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E: int = 896) -> list[dict]:
     _require_compiler()
     import triton
-    from triton.backends.compiler import GPUTarget
 
     from . import routing_kernels as RK
     from .config import MoEConfig
 
-    target = GPUTarget("cuda", arch, 32)
     results = []
 
     def record(name, c):
@@ -153,8 +158,7 @@ def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E:
         })
 
     def run(name, fn, args, consts, num_warps=4, num_stages=3):
-        record(name, triton.compile(_source(fn, args, consts), target=target,
-                                    options={"num_warps": num_warps, "num_stages": num_stages}))
+        record(name, compile_kernel(fn, args, consts, arch, num_warps, num_stages))
 
     # (block_m, swap_ab, block_n, block_k, split_k, warps): decode and prefill shapes.
     for bm, swap, bn, bk, sk, nw in [(16, True, 64, 128, 4, 4), (64, False, 128, 128, 1, 8)]:

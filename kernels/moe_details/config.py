@@ -308,18 +308,17 @@ def heuristic_moe_config(
         pick = min(within or _near(scored, _TIE), key=lambda s: (s[1], s[2]))
         return (*pick, bool(within))
 
-    calls = []  # (both GEMMs within the budget, time, warp-instructions, launches)
+    calls = []  # (time, both GEMMs within the budget, warp-instructions, launches): time first, for _near
     for block_m in (16, 32, 64, 128):
         routing = expected_routing(shard, M, block_m)
         g1, g2 = best_gemm("gemm1", block_m, routing), best_gemm("gemm2", block_m, routing)
         if g1 is not None and g2 is not None:
-            calls.append((g1[5] and g2[5], g1[0] + g2[0], g1[1] + g2[1], g1[3], g2[3]))
+            calls.append((g1[0] + g2[0], g1[5] and g2[5], g1[1] + g2[1], g1[3], g2[3]))
     calls = [c for c in calls if I % c[3].block_n == 0] or calls  # as options() for the tiles
     if not calls:
         raise RuntimeError(f"heuristic_moe_config: no measured tile launches for E={E}, H={H}, I={I} on sm_{arch}")
-    calls = [(c[1], *c) for c in calls]  # time first, as _near and _prefer read it
     within = _prefer(calls, lambda c: c[1])
-    _, _, _, _, l1, l2 = min(within or _near(calls, _TIE), key=lambda c: c[3])
+    _, _, _, l1, l2 = min(within or _near(calls, _TIE), key=lambda c: c[2])
     return MoEConfig(
         block_m=l1.block_m, swap_ab=l1.swap_ab,
         block_n1=l1.block_n, block_k1=l1.block_k, split_k1=l1.split_k, num_warps1=l1.num_warps,

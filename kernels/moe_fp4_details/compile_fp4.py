@@ -14,7 +14,7 @@ import json
 import re
 import sys
 
-from ..moe_details.compile_check import _require_compiler, _source, bundled_ptxas
+from ..moe_details.compile_check import _require_compiler, compile_kernel
 
 
 def compile_fp4_gemm(kind: str, act_quant: str, config, H: int, I: int, top_k: int, arch: int = 100,
@@ -22,9 +22,6 @@ def compile_fp4_gemm(kind: str, act_quant: str, config, H: int, I: int, top_k: i
     """Compile GEMM1 ("gemm1", SiTU + intermediate quantization) or GEMM2 ("gemm2") of one FP4
     mode at one FP4MoEConfig for sm<arch>. Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
     _require_compiler()
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from . import kernels as K
 
     mode = {"nvfp4": K.MODE_NVFP4, "mxfp8": K.MODE_MXFP8}[act_quant]
@@ -46,9 +43,7 @@ def compile_fp4_gemm(kind: str, act_quant: str, config, H: int, I: int, top_k: i
                     topk_w_ptr="*fp32", buf_ptr="*fp32", inter_scale=0.0372, **common)
         consts = dict(MODE=mode, INTER_STATIC=intermediate_static, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2)
     consts.update(BLOCK_M=config.block_m, SWAP_AB=config.swap_ab, EMULATE=False)
-    with bundled_ptxas():
-        return triton.compile(_source(fn, args, consts), target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    return compile_kernel(fn, args, consts, arch, config.num_warps, config.num_stages)
 
 
 def mma_summary(compiled) -> dict:

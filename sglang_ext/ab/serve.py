@@ -151,6 +151,11 @@ def _run_all(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progr
             bar.close()
 
 
+def _config_dict(cfg: ServeConfig) -> dict:
+    """The run's options as JSON values (paths as strings), for report.json and partial.json."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+
+
 def _write_partial(cfg: ServeConfig, jobs: list, comps: dict[tuple, Completion], error: ABError) -> Path:
     """partial.json (what failed, what was answered, every missing request) and the answered
     completions, for a run stopped by an environment error. report.json is not written."""
@@ -161,11 +166,10 @@ def _write_partial(cfg: ServeConfig, jobs: list, comps: dict[tuple, Completion],
     answered = [{"arm": arm, "seed": seed, "prompt_id": pid, "finish_reason": c.finish_reason, "content": c.content,
                  "completion_tokens": c.completion_tokens} for (arm, seed, pid), c in sorted(comps.items())]
     write_text_atomic(out / "completions.partial.jsonl", "".join(json.dumps(a) + "\n" for a in answered))
-    cfg_d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     path = out / "partial.json"
     write_json(path, {"complete": False, "error": {"type": type(error).__name__, "message": str(error)},
                       "requests": len(jobs), "answered": len(comps), "missing": missing,
-                      "files": {"completions": "completions.partial.jsonl"}, "config": cfg_d})
+                      "files": {"completions": "completions.partial.jsonl"}, "config": _config_dict(cfg)})
     return path
 
 
@@ -258,7 +262,7 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
                                "wrong_rate": wrong / n, "truncated_rate": trunc / n, "no_answer_rate": noans / n}
         accuracy[c.name] = arm_acc
 
-    cfg_d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    cfg_d = _config_dict(cfg)
     cfg_d["prompt_set"] = cfg.prompts or "built-in default_prompts.jsonl"
     cfg_d["wall_s"] = wall
     report = ServeABReport(cfg_d, arms_info, greedy, accuracy, per_prompt, DEFINITIONS)
