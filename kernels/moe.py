@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .interpreter import kernels_interpreted
 from .moe_details import kernels as _k
+from .moe_details.activation import ACT_SILU, ACT_SITU
 from .moe_details.config import MoEConfig, get_moe_config
 from .moe_details.routing import align_routing_triton, max_padded_blocks
 from .moe_details.validate import validate_moe_inputs
@@ -79,11 +80,11 @@ def fused_moe_nvfp4(
     :func:`k3nvfp4.kernels.moe_fp4.fused_moe_fp4`: "nvfp4" (W4A4: NVFP4 activations and
     intermediate) or "mxfp8" (W4A8: MXFP8 activations against MXFP4 weights); weights may then be
     FP4MMAWeights (prepare once) or NVFP4MoEWeights (converted once, cached); input_scale: the
-    static NVFP4 activation scale ("nvfp4" only; None = dynamic per token); ``config`` and
-    ``deterministic`` do not apply there (its top-k sum is always in slot order).
+    static NVFP4 activation scale ("nvfp4" only; None = dynamic per token); ``config`` does not
+    apply there (fused_moe_fp4 takes an FP4MoEConfig), ``deterministic`` does.
     num_global_experts: the experts topk_ids range over, when this rank holds E of them (expert
-    parallelism; None = E). Only the launch-config choice uses it: ~E / num_global_experts of the
-    pairs are local, and the tiles are sized for those.
+    parallelism; None = E). Only the launch-config choice uses it (both paths): ~E /
+    num_global_experts of the pairs are local, and the tiles are sized for those.
     Returns [M, H] in hidden_states' dtype.
     """
     if act_quant != "none":
@@ -94,7 +95,8 @@ def fused_moe_nvfp4(
 
         return fused_moe_fp4(hidden_states, weights, topk_weights, topk_ids, act_quant=act_quant,
                              activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                             routed_scaling_factor=routed_scaling_factor, input_scale=input_scale, out=out)  # fmt: skip
+                             routed_scaling_factor=routed_scaling_factor, input_scale=input_scale, out=out,
+                             num_global_experts=num_global_experts, deterministic=deterministic)  # fmt: skip
     if input_scale is not None:
         raise ValueError("fused_moe_nvfp4: input_scale is the NVFP4 activation scale of act_quant='nvfp4'; "
                          "the W4A16 path (act_quant='none') takes unquantized activations")
@@ -128,7 +130,7 @@ def fused_moe_nvfp4(
     dot_f32 = interp or dtype == torch.float32
     dot_dtype = tl.float32 if dot_f32 else _TL_DTYPE[dtype]
     precision = "ieee" if dot_f32 else None
-    act = _k.ACT_SITU if activation == "situ" else _k.ACT_SILU
+    act = ACT_SITU if activation == "situ" else ACT_SILU
     has_lb = activation == "situ" and situ_linear_beta is not None
     beta = float(situ_beta)
     lb = float(situ_linear_beta) if has_lb else 1.0

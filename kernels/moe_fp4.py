@@ -13,10 +13,14 @@ Two activation-quantization modes of one kernel family (moe_fp4_details/kernels.
 - act_quant="mxfp8" (W4A8, Kimi-K3's native numerics): activations and intermediate MXFP8 (E4M3,
   E8M0 per 32, quantized per 32-block, fused into GEMM1's epilogue for the intermediate) against
   MXFP4 weights, whose E8M0 scales are recovered exactly from the NVFP4 tensors (FP4MMAWeights).
-One call: per-token activation quantization (1 launch, each token once for all its k experts),
-routing alignment (align_routing_triton), GEMM1 (+ activation + intermediate quantization), [row
-quantization of the intermediate], GEMM2 (x routing weight, fp32 rows per pair), and a combine
-kernel summing the k rows of each token in slot order (deterministic). No host synchronisation.
+One call on the MoE skeleton shared with the W4A16 kernels (moe_details/skeleton.py): up to 1024
+(token, slot) pairs ONE first launch aligns the routing in its program 0 and quantizes each token
+once (for all its k experts) in the others; GEMM1 (+ activation + intermediate quantization,
+split over K when the static model says it fills the GPU better), [row quantization of a dynamic
+NVFP4 intermediate], GEMM2 (x routing weight, split over K, the top-k sum by each token's last
+arrival - in slot order, or at prefill sizes by fp32 atomics and one memset - and the cast to the
+output). 3 launches (4 with the dynamic NVFP4 intermediate); above 1024 pairs the routing takes 3
+kernels + a memset and the quantization one launch. No host synchronisation, so a call can be captured in a CUDA graph.
 
 On sm100/sm103 ``tl.dot_scaled`` lowers to tcgen05 block-scaled MMA (kind::mxf4nvf4 block16 /
 kind::mxf8f6f4 block32, tests/test_moe_fp4_compile.py); on other GPUs Triton decomposes it (wgmma
@@ -28,16 +32,17 @@ interpreter decodes E4M3 scales as E8M0.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 import triton
 
 from .interpreter import interpret_requested
-from .moe_details.routing import align_routing_triton
+from .moe_details.activation import ACT_SILU, ACT_SITU
+from .moe_details.routing import SMALL_NUM_WARPS, align_routing_triton, max_padded_blocks, small_routing_launch
 from .moe_details.validate import ACT_DTYPES
 from .moe_details.weights import NVFP4MoEWeights
 from .moe_fp4_details import kernels as _k
+from .moe_fp4_details.config import FP4MoEConfig
 from .moe_fp4_details.weights import E8M0RecoveryError, FP4MMAWeights
 from .situ import ACTIVATIONS
 
@@ -50,34 +55,6 @@ _MODE = {"nvfp4": _k.MODE_NVFP4, "mxfp8": _k.MODE_MXFP8}
 # scales per 16 (NVFP4, triton PR 9772; 3.6 predates it, FACTS.md).
 _NVFP4_DECOMPOSED_MIN_TRITON = (3, 7)
 _INTERPRETER_MIN_TRITON = (3, 8)  # tl.dot_scaled in the interpreter
-
-
-@dataclass(frozen=True)
-class FP4MoEConfig:
-    """Launch config of the FP4 MMA kernels. block_n1 / block_n2 (columns of I / H per program):
-    powers of two >= 64 (a last tile may run past the matrix); block_k1 must divide H and block_k2
-    I (64 or 128). swap_ab puts the weights on the MMA M side (tokens on N), for decode-sized
-    blocks; sm100's block-scaled tcgen05 MMA then wants block_n = 128 (64 falls back to kind::f16)."""
-
-    block_m: int = 16
-    block_n1: int = 64
-    block_n2: int = 64
-    block_k1: int = 64
-    block_k2: int = 64
-    swap_ab: bool = True
-    num_warps: int = 4
-    num_stages: int = 3
-
-    @staticmethod
-    def heuristic(E: int, H: int, I: int, top_k: int, M: int) -> "FP4MoEConfig":
-        """Small blocks with swap-AB when an expert gets few rows (decode), 128-row blocks else."""
-        def pick(n: int) -> int:
-            return 128 if n % 128 == 0 else 64
-
-        small = M * top_k <= 32 * E
-        return FP4MoEConfig(block_m=16 if small else 128, block_n1=128, block_n2=128,
-                            block_k1=pick(H), block_k2=pick(I), swap_ab=small,
-                            num_warps=4 if small else 8, num_stages=3)  # 4 warps spill at 128 x 128 (sm100)
 
 
 def intermediate_static_scale(activation: str, situ_beta: float, situ_linear_beta: float | None) -> float | None:
@@ -131,6 +108,8 @@ def fused_moe_fp4(
     intermediate_scale: str = "auto",
     out: torch.Tensor | None = None,
     config: FP4MoEConfig | None = None,
+    num_global_experts: int | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer on the FP4 tensor cores (same contract as fused_moe_nvfp4).
 
@@ -143,7 +122,10 @@ def fused_moe_fp4(
     checkpoint's w13 input_scale, max over experts); None = dynamic per token row.
     intermediate_scale: "auto" (static for situ with linear_beta, else dynamic), "static" or
     "dynamic" ("nvfp4" only; see the module docstring). out: optional [M, H] in hidden_states'
-    dtype. Returns [M, H] in hidden_states' dtype.
+    dtype. config: overrides FP4MoEConfig.heuristic (whose split-K the static model picks for
+    this GPU's SM count; num_global_experts, under expert parallelism, sizes it for the local
+    share of the pairs). deterministic: the top-k sum in slot order whatever the config (the
+    heuristic's prefill configs add atomically). Returns [M, H] in hidden_states' dtype.
     """
     if isinstance(weights, NVFP4MoEWeights):
         weights = prepared_fp4_weights(weights, mxfp8=act_quant == "mxfp8")
@@ -162,35 +144,49 @@ def fused_moe_fp4(
     static_inter = _intermediate_mode(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
     inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else 1.0
     in_s = _input_scale(input_scale, act_quant)
-    cfg = config or FP4MoEConfig.heuristic(E, H, I, k, M)
-    _check_config(cfg, H, I)
+    cfg = config or FP4MoEConfig.heuristic(E, H, I, k, M, act_quant=act_quant, num_global_experts=num_global_experts,
+                                           device_name=_device_name(device))
+    cfg.check(H, I)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tiles1, tiles2 = triton.cdiv(I, cfg.block_n1), triton.cdiv(H, cfg.block_n2)
+    num_pairs = M * k
 
-    # 1. Each token quantized once (reused by all its k experts).
+    # Arrival counters, zeroed by the routing launch: GEMM1's per (block, column tile) when it is
+    # split over K (offset rounded to 128 bytes), then GEMM2's per (token, column tile).
+    max_blocks = max_padded_blocks(num_pairs, E, cfg.block_m)
+    n_t1 = triton.cdiv(max_blocks * tiles1, 32) * 32 if cfg.split_k1 > 1 else 0
+    tickets = torch.empty(n_t1 + M * tiles2, dtype=torch.int32, device=device)
+    tickets1, tickets2 = tickets[:n_t1] if n_t1 else tickets, tickets[n_t1:]
+
+    # 1. Routing alignment + each token quantized once (reused by all its k experts).
     aq, asc, ars = _quant_buffers(mode, M, H, device)
-    _k.quant_rows_kernel[(M,)](
-        hidden_states, hidden_states.stride(0), aq, asc, ars, ars, H, in_s if in_s is not None else 1.0,
-        MODE=mode, STATIC=in_s is not None, HAS_NUM_ROWS=False, BLOCK_K=_row_block(H), num_warps=4,
-    )
-
-    # 2. Routing alignment (no host sync).
-    routing = align_routing_triton(topk_ids, E, cfg.block_m)
+    quant_args = (hidden_states, hidden_states.stride(0), aq, asc, ars)
+    quant_consts = dict(MODE=mode, STATIC=in_s is not None, BLOCK_K=_row_block(H))
+    scale_in = in_s if in_s is not None else 1.0
+    small = small_routing_launch(topk_ids, E, cfg.block_m, tickets)
+    if small is not None:  # one launch: program 0 routes, programs 1 .. M quantize
+        routing, args, consts = small
+        _k.route_quant_kernel[(1 + M,)](*args, *quant_args, H, scale_in, **consts, **quant_consts,
+                                        num_warps=SMALL_NUM_WARPS)
+    else:
+        routing = align_routing_triton(topk_ids, E, cfg.block_m, tickets)
+        _k.quant_rows_kernel[(M,)](*quant_args, ars, H, scale_in, HAS_NUM_ROWS=False, **quant_consts, num_warps=4)
     P = routing.max_padded
-    grid_b = routing.max_blocks
 
-    # 3. GEMM1 + activation + intermediate quantization.
+    # 2. GEMM1 + activation + intermediate quantization.
     iq, isc, irs = _quant_buffers(mode, P, I, device)
     out_f32 = mode == _k.MODE_NVFP4 and not static_inter
     inter_f32 = torch.empty(P, I, dtype=torch.float32, device=device) if out_f32 else iq
+    part = torch.empty(cfg.split_k1, P, 2 * I, dtype=torch.float32, device=device) if cfg.split_k1 > 1 else inter_f32
     w13_s = weights.w13_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w13_e8m0, "w13")
     has_lb = activation == "situ" and situ_linear_beta is not None
-    _k.fp4_gemm1_kernel[(grid_b, triton.cdiv(I, cfg.block_n1))](
-        aq, asc, ars, weights.w13, w13_s, weights.w13_scale_2, iq, isc, inter_f32,
+    _k.fp4_gemm1_kernel[(max_blocks, tiles1, cfg.split_k1)](
+        aq, asc, ars, weights.w13, w13_s, weights.w13_scale_2, iq, isc, inter_f32, part, tickets1,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        M * k, k, H, I, float(situ_beta), float(situ_linear_beta) if has_lb else 1.0, inter_s,
-        MODE=mode, OUT_F32=out_f32, ACT=0 if activation == "situ" else 1, HAS_LINEAR_BETA=has_lb,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SWAP_AB=cfg.swap_ab, EMULATE=emulate,
-        **launch,
+        num_pairs, k, H, I, float(situ_beta), float(situ_linear_beta) if has_lb else 1.0, inter_s,
+        MODE=mode, OUT_F32=out_f32, ACT=ACT_SITU if activation == "situ" else ACT_SILU, HAS_LINEAR_BETA=has_lb,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SPLIT_K=cfg.split_k1,
+        SWAP_AB=cfg.swap_ab, EMULATE=emulate, **launch,
     )
     if out_f32:  # dynamic per-row NVFP4 scale of the intermediate: needs the whole row
         _k.quant_rows_kernel[(P,)](
@@ -198,24 +194,31 @@ def fused_moe_fp4(
             MODE=mode, STATIC=False, HAS_NUM_ROWS=True, BLOCK_K=_row_block(I), num_warps=4,
         )
 
-    # 4. GEMM2 x routing weight -> fp32 rows per pair; 5. fixed-order sum over top-k.
-    buf = torch.empty(M * k, H, dtype=torch.float32, device=device)
+    # 3. GEMM2 x routing weight, the top-k sum by each token's last arrival, the cast: out.
+    atomic = cfg.atomic_reduce and not deterministic
+    if atomic:
+        buf = torch.zeros(M, H, dtype=torch.float32, device=device)
+    else:  # rows of dropped pairs are never written and never read
+        buf = torch.empty(cfg.split_k2, num_pairs, H, dtype=torch.float32, device=device)
     w2_s = weights.w2_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w2_e8m0, "w2")
-    _k.fp4_gemm2_kernel[(grid_b, triton.cdiv(H, cfg.block_n2))](
-        iq, isc, irs, weights.w2, w2_s, weights.w2_scale_2, topk_weights.contiguous(), buf,
+    _k.fp4_gemm2_kernel[(max_blocks, tiles2, cfg.split_k2)](
+        iq, isc, irs, weights.w2, w2_s, weights.w2_scale_2,
+        topk_weights.contiguous(), topk_ids, topk_ids.stride(0), topk_ids.stride(1),
+        buf, out, out.stride(0), out.stride(1), tickets2,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        M * k, H, I, inter_s,
+        num_pairs, k, E, H, I, inter_s, 1.0 if routed_scaling_factor is None else float(routed_scaling_factor),
         MODE=mode, INTER_STATIC=static_inter,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, SWAP_AB=cfg.swap_ab, EMULATE=emulate,
-        **launch,
-    )
-    block = min(1024, triton.next_power_of_2(H))
-    _k.combine_kernel[(M, triton.cdiv(H, block))](
-        buf, topk_ids, topk_ids.stride(0), topk_ids.stride(1), out, out.stride(0), out.stride(1),
-        k, E, H, 1.0 if routed_scaling_factor is None else float(routed_scaling_factor),
-        BLOCK=block, num_warps=4,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, SPLIT_K=cfg.split_k2,
+        SWAP_AB=cfg.swap_ab, EMULATE=emulate, ATOMIC=atomic, **launch,
     )
     return out
+
+
+def _device_name(device: torch.device) -> str:
+    """perf_model.DEVICES key whose SM count the heuristic plans for (B200 off-GPU: the target)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "H200"
+    return "B200"
 
 
 _PREPARED: dict[int, tuple[weakref.ref, bool, FP4MMAWeights]] = {}
@@ -294,17 +297,6 @@ def _input_scale(input_scale, act_quant: str) -> float | None:
     if not (s > 0 and s < float("inf")):
         raise ValueError(f"input_scale: must be a finite positive scale, got {s}")
     return s
-
-
-def _check_config(cfg: FP4MoEConfig, H: int, I: int) -> None:
-    for name, b in (("block_n1", cfg.block_n1), ("block_n2", cfg.block_n2)):
-        if b < 64 or b & (b - 1):
-            raise ValueError(f"config.{name} = {b} must be a power of two >= 64")
-    for name, n, div in (("block_k1", H, cfg.block_k1), ("block_k2", I, cfg.block_k2)):
-        if div not in (64, 128) or n % div:
-            raise ValueError(f"config.{name} = {div} must be 64 or 128 and divide {n}")
-    if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1):
-        raise ValueError(f"config.block_m = {cfg.block_m} must be a power of two >= 16")
 
 
 def _validate(x, weights, topk_weights, topk_ids, activation, out, act_quant) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "Assumptions", "B200", "CallPrediction", "DEVICES", "Device", "H200", "K3_SHARDS", "KernelPrediction",
-    "LoopCost", "RoutingEstimate", "Shard", "expected_routing", "loop_budget", "occupancy", "our_call",
+    "LoopCost", "fp4_call", "fp4_gemm", "RoutingEstimate", "Shard", "expected_routing", "loop_budget", "occupancy", "our_call",
     "our_gemm", "predict_kernel",
 ]
 
@@ -487,3 +487,80 @@ def our_call(device: Device, shard: Shard, M: int, config, costs: dict, assumpti
     fixed = (a.routing_small_s if small else a.routing_large_s) + launches * a.launch_s
     name = "k3nvfp4" if fmt is None or fmt.block == 16 else "k3nvfp4 mxfp4"
     return CallPrediction(name, device.name, shard.name, M, kernels, routing, fixed, launches)
+
+
+# ---------------------------------------------------------------------------------------------- FP4 modes
+
+# HBM bytes per weight of FP4MMAWeights: nibbles + E4M3 per 16 (nvfp4) or E8M0 per 32 (mxfp8).
+FP4_MODE_BYTES_PER_WEIGHT = {"nvfp4": 0.5 + 1 / 16, "mxfp8": 0.5 + 1 / 32}
+# Bytes per activation / intermediate element as the FP4 modes store them (values + block scales).
+FP4_MODE_ACT_BYTES = {"nvfp4": 0.5 + 1 / 16, "mxfp8": 1 + 1 / 32}
+# Block-scaled MMA rate relative to the dense bf16 peak (B200 datasheet: FP4 4x, FP8 2x).
+FP4_MODE_MMA_SPEEDUP = {"nvfp4": 4.0, "mxfp8": 2.0}
+
+
+def fp4_gemm(device: Device, shard: Shard, M: int, config, kind: str, cost: LoopCost, routing: RoutingEstimate,
+             act_quant: str, assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> KernelPrediction:
+    """GEMM1 or GEMM2 of fused_moe_fp4 (act_quant "nvfp4" / "mxfp8") at one FP4MoEConfig."""
+    from .moe_details.routing import max_padded_blocks
+
+    H, I, k = shard.hidden, shard.intermediate, shard.top_k
+    bpw, abytes = FP4_MODE_BYTES_PER_WEIGHT[act_quant], FP4_MODE_ACT_BYTES[act_quant]
+    gemm1 = kind == "gemm1"
+    K = H if gemm1 else I
+    block_n, block_k, split = ((config.block_n1, config.block_k1, config.split_k1) if gemm1
+                               else (config.block_n2, config.block_k2, config.split_k2))
+    rows_tile = 2 * block_n if gemm1 else block_n  # GEMM1: gate and up rows stacked in one operand
+    n_tiles = -(-(I if gemm1 else H) // block_n)
+    useful_rows = 2 * I if gemm1 else H
+    k_steps = -(-K // block_k)
+    iters = -(-k_steps // split)
+    blocks = routing.blocks
+    rows_used = blocks * config.block_m
+    if gemm1:
+        other = min(M, routing.local_pairs) * H * abytes + rows_used * I * abytes
+        if split > 1:
+            other += 2 * split * rows_used * 2 * I * 4  # fp32 partials, stored and read back
+        trips = 2 if split > 1 else 0
+    else:
+        other = rows_used * I * abytes + M * H * 2
+        if config.atomic_reduce:
+            other += 2 * M * H * 4 + routing.local_pairs * H * 4  # memset, atomics, final read
+        else:
+            other += 2 * split * routing.local_pairs * H * 4  # fp32 rows, stored and summed
+        trips = 2  # arrival counter, then the token's rows
+    iterations_total = blocks * n_tiles * k_steps
+    processed = iterations_total * rows_tile * block_k
+    return predict_kernel(
+        device, name=f"k3nvfp4 {act_quant} {kind}", config=config.label(), cost=cost,
+        programs_launched=max_padded_blocks(M * k, shard.local_experts, config.block_m) * n_tiles * split,
+        programs_active=blocks * n_tiles * split, iterations_per_program=iters, iterations_total=iterations_total,
+        weights_per_iteration=rows_tile * block_k, useful_weights=routing.active_experts * useful_rows * K,
+        useful_passes=blocks * useful_rows * K, weight_bytes=routing.active_experts * useful_rows * K * bpw,
+        other_bytes=other, stage_bytes=rows_tile * block_k * bpw, stages=config.num_stages,
+        mma_flops=2.0 * processed * config.block_m / FP4_MODE_MMA_SPEEDUP[act_quant],
+        dependent_round_trips=trips, assumptions=assumptions,
+    )
+
+
+def fp4_call(device: Device, shard: Shard, M: int, config, costs: dict, act_quant: str,
+             assumptions: Assumptions = DEFAULT_ASSUMPTIONS, static_intermediate: bool = True) -> CallPrediction:
+    """fused_moe_fp4 at one FP4MoEConfig: routing + activation quantization (one launch up to
+    1024 pairs), GEMM1, [the dynamic NVFP4 intermediate's row quantization], GEMM2 with the top-k
+    sum. costs: {"gemm1": LoopCost, "gemm2": LoopCost} (moe_fp4_details.costs)."""
+    from .moe_details.routing_kernels import SMALL_MAX_BINS, SMALL_MAX_PAIRS
+
+    routing = expected_routing(shard, M, config.block_m)
+    kernels = [fp4_gemm(device, shard, M, config, kind, costs[kind], routing, act_quant, assumptions)
+               for kind in ("gemm1", "gemm2")]
+    a = assumptions
+    small = M * shard.top_k <= SMALL_MAX_PAIRS and shard.local_experts < SMALL_MAX_BINS
+    launches = 1 if small else 5  # fused routing + quantization; else 3 kernels + a memset + quantization
+    launches += 1 if config.atomic_reduce else 0  # the memset of the atomic top-k sum
+    # Quantization streams x once (read 2 B, write the quantized row) at the copy bandwidth.
+    quant_s = M * shard.hidden * (2 + FP4_MODE_ACT_BYTES[act_quant]) / device.hbm_copy_bytes_per_s
+    fixed = (a.routing_small_s if small else a.routing_large_s) + quant_s + launches * a.launch_s
+    if act_quant == "nvfp4" and not static_intermediate:
+        launches += 1
+        fixed += a.launch_s + a.hbm_latency_s
+    return CallPrediction(f"k3nvfp4 {act_quant}", device.name, shard.name, M, kernels, routing, fixed, launches)

@@ -89,6 +89,19 @@ def random_nvfp4_moe_weights(
     return w.to(device)
 
 
+def random_mxfp4_tensors(E: int, H: int, I: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random MXFP4 experts as the release stores them (CPU): (w13 uint8 [E, 2I, H/2], its E8M0
+    bytes [E, 2I, H/32], w2 uint8 [E, H, I/2], E8M0 [E, H, I/32]); exponents around 2^-6, so that
+    outputs of N(0, 1) inputs stay O(1). NVFP4MoEWeights.from_mxfp4 casts them bit-exactly, and
+    both FP4 tensor-core modes can run the result (its E8M0 scales are recoverable)."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, generator=g)
+    e13 = torch.randint(118, 124, (E, 2 * I, H // 32), dtype=torch.uint8, generator=g)
+    e2 = torch.randint(119, 125, (E, H, I // 32), dtype=torch.uint8, generator=g)
+    return w13, e13, w2, e2
+
+
 def _quantize_pow2_nvfp4(w: torch.Tensor):
     """float32 [R, C] -> (packed uint8 [R, C/2], e4m3 [R, C/16], scale_2 float32 0-dim), with the
     scale structure of the K3 cast: block scale 2^(k - m), scale_2 = 2^m, m = k_max - 8 (k_max

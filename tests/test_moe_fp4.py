@@ -4,6 +4,8 @@ against the reference that quantizes the same way, and the E8M0 recovery with it
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
 from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, FP4MMAWeights, FP4MoEConfig, fused_moe_fp4
 from k3nvfp4.kernels.moe_fp4_details import kernels as K
 from k3nvfp4.kernels.moe_fp4_reference import fused_moe_fp4_reference
-from k3nvfp4.kernels.testing import k3_like_nvfp4_moe_weights, random_routing
+from k3nvfp4.kernels.testing import k3_like_nvfp4_moe_weights, random_mxfp4_tensors, random_routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -121,12 +123,8 @@ def test_mxfp8_quantizer_never_saturates_and_avoids_e8m0_zero():
 
 
 def _mxfp4_weights(E, H, I, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, generator=g)
-    w2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, generator=g)
-    e13 = torch.randint(118, 124, (E, 2 * I, H // 32), dtype=torch.uint8, generator=g)
-    e2 = torch.randint(119, 125, (E, H, I // 32), dtype=torch.uint8, generator=g)
-    return (w13, e13, w2, e2), NVFP4MoEWeights.from_mxfp4(w13, e13, w2, e2).to(DEV)
+    t = random_mxfp4_tensors(E, H, I, seed=seed)
+    return t, NVFP4MoEWeights.from_mxfp4(*t).to(DEV)
 
 
 def test_e8m0_recovered_exactly_from_nvfp4():
@@ -195,11 +193,13 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("act_quant", ["nvfp4", "mxfp8"])
-@pytest.mark.parametrize("swap_ab,skew,activation", [(True, False, "situ"), (False, True, "situ"),
-                                                      (True, True, "silu")])
-def test_fused_moe_fp4_matches_reference(act_quant, swap_ab, skew, activation):
-    x, w, f, tw, ids = _case(4, 128, 64, 7, 3, seed=5, skew=skew)
-    cfg = FP4MoEConfig(block_m=16, swap_ab=swap_ab, block_n1=64 if swap_ab else 128, block_n2=128)
+@pytest.mark.parametrize("swap_ab,skew,activation,split_k,atomic", [
+    (True, False, "situ", (2, 2), False), (False, True, "situ", (1, 1), True), (True, True, "silu", (2, 1), False)])
+def test_fused_moe_fp4_matches_reference(act_quant, swap_ab, skew, activation, split_k, atomic):
+    # I = 128 in two 64-column GEMM1 tiles (stacked gate + up: 128 MMA rows each); 2 K steps per GEMM
+    x, w, f, tw, ids = _case(4, 128, 128, 7, 3, seed=5, skew=skew)
+    cfg = FP4MoEConfig(block_m=16, swap_ab=swap_ab, block_n1=64, block_n2=128, block_k1=64, block_k2=64,
+                       split_k1=split_k[0], split_k2=split_k[1], atomic_reduce=atomic)
     kw = dict(act_quant=act_quant, activation=activation, routed_scaling_factor=1.5)
     got = fused_moe_fp4(x, f, tw, ids, config=cfg, **kw)
     ref = fused_moe_fp4_reference(x, f, tw, ids, **kw)
@@ -208,6 +208,9 @@ def test_fused_moe_fp4_matches_reference(act_quant, swap_ab, skew, activation):
     if skew:
         assert bool((got[3] == 0).all())
     assert bool((got[0] == 0).all())  # the all-zero token
+    if atomic:  # deterministic=True: the slot-order sum whatever the config
+        det = fused_moe_fp4(x, f, tw, ids, config=cfg, deterministic=True, **kw)
+        assert torch.equal(det, fused_moe_fp4(x, f, tw, ids, config=replace(cfg, atomic_reduce=False), **kw))
     if not swap_ab:  # the W4A16 weights object directly: converted once, cached while it lives
         assert torch.equal(fused_moe_fp4(x, w, tw, ids, config=cfg, **kw), got)
         assert moe_fp4.prepared_fp4_weights(w, mxfp8=True) is moe_fp4.prepared_fp4_weights(w, mxfp8=False)

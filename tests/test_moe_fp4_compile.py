@@ -42,3 +42,38 @@ def test_sm90_decomposes_onto_wgmma(arch):
     for name, r in res.items():
         assert "error" not in r, r
         assert r["wgmma"] > 0 and r["tcgen05_mma"] == 0, r
+
+
+def test_cost_table_matches_the_kernels_and_picks_launch():
+    """moe_fp4_details/costs.py (the heuristic's model input) is what the kernels compile to
+    today, every tile launches on B200, and what the heuristic picks at the K3 shapes never
+    spills and fills the GPU at M = 1 (GEMM1 split over K)."""
+    import triton
+
+    if not triton.__version__.startswith("3.8"):
+        pytest.skip(f"the table is measured with Triton 3.8 (SGLang's pin); installed {triton.__version__}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from k3nvfp4.kernels.moe_fp4_details import costs; "
+            "print(json.dumps({k: list(v) for k, v in costs.measure().items()}))")
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.moe_fp4_details import costs
+    from k3nvfp4.kernels.moe_fp4_details.config import FP4MoEConfig
+
+    assert {k: tuple(v) for k, v in measured.items()} == costs.COSTS
+    for key, (_instr, regs, shared, _local) in costs.COSTS.items():
+        warps = int(key.split(" w")[1].split()[0])
+        assert pm.occupancy(pm.B200, regs, 32 * warps, shared)[0] >= 1, key
+    for name in ("tp8", "tp16"):
+        s = pm.K3_SHARDS[name]
+        for mode in ("nvfp4", "mxfp8"):
+            for M in (1, 8, 64, 128, 1024, 4096):
+                cfg = FP4MoEConfig.heuristic(s.local_experts, s.hidden, s.intermediate, s.top_k, M, act_quant=mode)
+                picked = costs.fp4_loop_costs(mode, cfg)
+                assert picked is not None and all(c.local_bytes == 0 for c in picked.values()), (name, mode, M, cfg)
+            one = FP4MoEConfig.heuristic(s.local_experts, s.hidden, s.intermediate, s.top_k, 1, act_quant=mode)
+            tiles1 = -(-s.intermediate // one.block_n1)
+            assert s.top_k * tiles1 * one.split_k1 >= pm.B200.sms, (name, mode, one)  # >= one program per SM

@@ -18,7 +18,7 @@ bench/sass_report.py).
 Grid of both GEMMs: (max_blocks, column tiles, split_k), max_blocks being the worst case of the
 routing alignment; blocks past the used rows exit at once (no host sync on the real count).
 Split-K (both GEMMs) and the top-k combine (GEMM2) are finished in the same launch by the last
-program to arrive on an arrival counter (_arrive); see moe.py.
+program to arrive on an arrival counter: the shared skeleton (skeleton.py); see moe.py.
 """
 
 from __future__ import annotations
@@ -27,50 +27,12 @@ import triton
 import triton.language as tl
 
 from .fp4 import decode_scale_words, dequant_e2m1_words, tile_e2m1_bf16
+from .activation import gated_act
 from .layout import ACC_SCALE
+from .skeleton import (block_used, combine_by_last_arrival, k_range, split_k_arrive, split_k_sum, tile_index,
+                       zero_dropped_tokens)
 
 _ACC_SCALE = tl.constexpr(ACC_SCALE)
-
-ACT_SITU = 0
-ACT_SILU = 1
-
-
-@triton.jit
-def _sigmoid(x):
-    # exp of a non-positive argument only: no overflow for large |x|.
-    e = tl.exp(-tl.abs(x))
-    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-@triton.jit
-def _tanh(x):
-    # tanh(|x|) = (1 - e) / (1 + e), e = exp(-2|x|) <= 1: no overflow for any x.
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _gated_act(g, u, beta, linear_beta, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
-    """fp32 gate/up -> fp32 activation (SiTU or SiLU-and-mul)."""
-    if ACT == 0:
-        gp = beta * _tanh(g / beta) * _sigmoid(g)
-        if HAS_LINEAR_BETA:
-            u = linear_beta * _tanh(u / linear_beta)
-    else:
-        gp = g * _sigmoid(g)
-    return gp * u
-
-
-@triton.jit
-def _tile_index(offs_m, offs_n, SWAP_AB: tl.constexpr):
-    """Row (token) and column index tensors of an accumulator tile: [BN, BM] with swap-AB
-    (tokens on the MMA N side), else [BM, BN]."""
-    if SWAP_AB:
-        return offs_m[None, :], offs_n[:, None]
-    else:
-        return offs_m[:, None], offs_n[None, :]
-
 
 @triton.jit
 def _load_act_tile(a_ptr, rows, stride_m, stride_k, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
@@ -188,45 +150,6 @@ def _mma(acc, a, w, SWAP_AB: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: t
 
 
 @triton.jit
-def _arrive(ticket_ptrs, mask):
-    """Count this program's arrival on the given counters after its results are stored; returns
-    the old values. The barrier puts every thread's stores before the release (the CUDA
-    threadfence-reduction pattern); acquire makes the other programs' stores visible to the one
-    that arrives last. No program ever waits: the last arrival does the remaining work."""
-    tl.debug_barrier()
-    return tl.atomic_add(ticket_ptrs, 1, mask=mask, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def _valid_slots(ids_ptr, stride_im, stride_ik, token, ok, top_k, num_experts):
-    """Number of slots of each token whose expert id is in [0, E) (int32, same shape as token)."""
-    cnt = tl.zeros(token.shape, dtype=tl.int32)
-    for j in range(0, top_k):
-        e = tl.load(ids_ptr + token * stride_im + j * stride_ik, mask=ok, other=-1)
-        cnt += ((e >= 0) & (e < num_experts)).to(tl.int32)
-    return cnt
-
-
-@triton.jit
-def _zero_dropped_tokens(out_ptr, stride_om, stride_oh, ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
-                         num_pairs, top_k, num_experts, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (b, n, 0), b < cdiv(M, BLOCK_M): zero the output columns of tile n of tokens
-    b * BLOCK_M .. + BLOCK_M whose ids all lie outside [0, E) (no expert of this rank serves them,
-    so no program arrives for them). Every such program runs it, whether its row block is used
-    or not (max_blocks >= cdiv(M, BLOCK_M) always)."""
-    num_tokens = num_pairs // top_k
-    if pid_k == 0:
-        if pid_b * BLOCK_M < num_tokens:
-            t = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            t_ok = t < num_tokens
-            dropped = t_ok & (_valid_slots(ids_ptr, stride_im, stride_ik, t, t_ok, top_k, num_experts) == 0)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-            tl.store(out_ptr + t[:, None] * stride_om + offs_n[None, :] * stride_oh, zero,
-                     mask=dropped[:, None] & (offs_n < H)[None, :])
-
-
-@triton.jit
 def gemm1_gated_kernel(
     x_ptr, stride_xm, stride_xk,
     w_ptr, ws_ptr, s2_ptr, k_tiles,
@@ -244,15 +167,13 @@ def gemm1_gated_kernel(
     Gate rows n and up rows I + n of the block's expert are dequantized and multiplied in the
     same program; per-half scale_2 is applied to the fp32 accumulators before the activation.
     out = act(gate, up) in out's dtype, [max_padded, I].
-    SPLIT_K > 1: each K slice stores fp32 partials to part [SPLIT_K, max_padded, 2I] (scale_2
-    applied) and arrives on tickets[block, column tile] (zeroed by the routing launch); the last
-    slice to arrive sums the partials in slice order (deterministic) and applies the activation.
+    SPLIT_K > 1: the skeleton's split-K (fp32 partials part [SPLIT_K, max_padded, 2I], counters
+    tickets[block, column tile]); the last slice applies the activation.
     """
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    num_padded = tl.load(num_padded_ptr)
-    if pid_b * BLOCK_M >= num_padded:
+    if not block_used(num_padded_ptr, pid_b, BLOCK_M):
         return
     expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
 
@@ -267,11 +188,6 @@ def gemm1_gated_kernel(
     rt_gate = _row_tiles(rt_expert + pid_n * (BLOCK_N // 16), rt_expert + I // 16, BLOCK_N)
     rt_up = _row_tiles(rt_expert + I // 16 + pid_n * (BLOCK_N // 16), rt_expert + 2 * I // 16, BLOCK_N)
 
-    k_steps = tl.cdiv(H, BLOCK_K)
-    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
-    step_lo = pid_k * steps_per_split
-    step_hi = tl.minimum(step_lo + steps_per_split, k_steps)
-
     if SWAP_AB:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -279,6 +195,7 @@ def gemm1_gated_kernel(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
+    step_lo, step_hi = k_range(pid_k, H, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
         x = _load_act_tile(x_ptr, token, stride_xm, stride_xk, k0, H, BLOCK_K, EVEN_K)
@@ -290,25 +207,17 @@ def gemm1_gated_kernel(
     acc_g = acc_g * (tl.load(s2_ptr + expert * 2) * _ACC_SCALE)
     acc_u = acc_u * (tl.load(s2_ptr + expert * 2 + 1) * _ACC_SCALE)
 
-    m_idx, n_idx = _tile_index(offs_m.to(tl.int64), offs_n, SWAP_AB)
-    ok_m, ok_n = _tile_index(offs_m >= 0, n_ok, SWAP_AB)
+    m_idx, n_idx = tile_index(offs_m.to(tl.int64), offs_n, SWAP_AB)
+    ok_m, ok_n = tile_index(offs_m >= 0, n_ok, SWAP_AB)
     # Padding rows are written too (from a clamped real token: finite): GEMM2 reads whole
     # blocks unmasked and drops those rows only at its store.
     mask = ok_m & ok_n
     if SPLIT_K > 1:
-        slice_elems = tl.num_programs(0).to(tl.int64) * BLOCK_M * (2 * I)
         part = part_ptr + m_idx * (2 * I) + n_idx
-        tl.store(part + pid_k * slice_elems, acc_g, mask=mask)
-        tl.store(part + pid_k * slice_elems + I, acc_u, mask=mask)
-        if _arrive(tickets_ptr + pid_b * tl.num_programs(1) + pid_n, pid_k >= 0) != SPLIT_K - 1:
+        if not split_k_arrive(part, acc_g, acc_u, mask, I, tickets_ptr, pid_b, pid_n, pid_k, BLOCK_M, SPLIT_K):
             return
-        # Last slice: sum all slices in slice order (its own included, from memory).
-        acc_g = tl.zeros(acc_g.shape, dtype=tl.float32)
-        acc_u = tl.zeros(acc_u.shape, dtype=tl.float32)
-        for s in range(SPLIT_K):
-            acc_g += tl.load(part + s * slice_elems, mask=mask, other=0.0, cache_modifier=".cg")
-            acc_u += tl.load(part + s * slice_elems + I, mask=mask, other=0.0, cache_modifier=".cg")
-    y = _gated_act(acc_g, acc_u, beta, linear_beta, ACT, HAS_LINEAR_BETA)
+        acc_g, acc_u = split_k_sum(part, mask, I, acc_g, acc_u, BLOCK_M, SPLIT_K)
+    y = gated_act(acc_g, acc_u, beta, linear_beta, ACT, HAS_LINEAR_BETA)
     tl.store(out_ptr + m_idx * I + n_idx, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -325,92 +234,33 @@ def gemm2_combine_kernel(
     EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, SCALE_FMT: tl.constexpr, PER_WORD: tl.constexpr,
 ):
     """GEMM2 (intermediate [max_padded, I] x w2^T) x scale_2 x routing weight, the top-k sum,
-    x scale, cast: out [M, H] in its dtype, in this one launch.
-
-    ATOMIC False: each (K slice, pair) row goes to buf fp32 [SPLIT_K, M*k, H] (plain stores).
-    ATOMIC True:  fp32 atomic adds into buf [M, H] (zeroed by the caller; order not fixed).
-    Then every program arrives on tickets[token, column tile] (int32 [M, H tiles], zeroed by the
-    routing launch) for each of its rows; the program that brings a token's count to
-    (valid slots x SPLIT_K) writes that token's output columns: the sum over slots (slot order,
-    then slice order: deterministic when ATOMIC is False) x scale. Programs (b, n, 0) with
-    b < cdiv(M, BLOCK_M) also zero the output of tokens whose ids are all outside [0, E).
-    """
+    x scale, cast: out [M, H] in its dtype, in this one launch (the skeleton's
+    combine_by_last_arrival; buf: fp32 [SPLIT_K, M*k, H], or [M, H] zeroed when ATOMIC)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    num_padded = tl.load(num_padded_ptr)
-    if pid_b * BLOCK_M >= num_padded:
-        _zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
-                             num_pairs, top_k, num_experts, H, BLOCK_M, BLOCK_N)
+    if not block_used(num_padded_ptr, pid_b, BLOCK_M):
+        zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
+                            num_pairs, top_k, num_experts, H, BLOCK_M, BLOCK_N)
         return
     expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
 
     offs_m = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rt = _row_tiles(expert * (H // 16) + pid_n * (BLOCK_N // 16), (expert + 1) * (H // 16), BLOCK_N)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-
-    k_steps = tl.cdiv(I, BLOCK_K)
-    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
-    step_lo = pid_k * steps_per_split
-    step_hi = tl.minimum(step_lo + steps_per_split, k_steps)
 
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    step_lo, step_hi = k_range(pid_k, I, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
         a = _load_act_tile(a_ptr, offs_m, I, 1, k0, I, BLOCK_K, EVEN_K)  # padding rows: never stored
         w = _load_weight_tile(w_ptr, ws_ptr, rt, k_tiles, k0, BLOCK_N, BLOCK_K, EVEN_K, USE_ASM, SCALE_FMT, PER_WORD)
         acc = _mma(acc, a, w, SWAP_AB, DOT_DTYPE, PRECISION)
 
-    # Loaded after the K loop: nothing of the epilogue stays live through it.
-    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
-    row_ok = pair < num_pairs
-    routing_w = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0)
-    token = tl.where(row_ok, pair // top_k, 0)
-    if SWAP_AB:
-        acc = acc * routing_w[None, :]
-    else:
-        acc = acc * routing_w[:, None]
-    acc = acc * (tl.load(s2_ptr + expert) * _ACC_SCALE)
-    t_idx, n_idx = _tile_index(token, offs_n, SWAP_AB)
-    ok_r, ok_n = _tile_index(row_ok, n_ok, SWAP_AB)
-    if ATOMIC:
-        tl.atomic_add(buf_ptr + t_idx * H + n_idx, acc, mask=ok_r & ok_n)
-    else:
-        p_idx, _ = _tile_index(pid_k * num_pairs + pair, offs_n, SWAP_AB)
-        tl.store(buf_ptr + p_idx * H + n_idx, acc, mask=ok_r & ok_n)
-
-    _zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
-                         num_pairs, top_k, num_experts, H, BLOCK_M, BLOCK_N)
-
-    # Top-k combine by the last arrival of each token (per column tile).
-    slots = _valid_slots(topk_ids_ptr, stride_im, stride_ik, token, row_ok, top_k, num_experts)
-    old = _arrive(tickets_ptr + token * tl.num_programs(1) + pid_n, row_ok)
-    last = row_ok & (old == slots * SPLIT_K - 1)
-    if tl.max(last.to(tl.int32), 0) == 0:
-        return
-    # The finisher works in column chunks: a whole 128-token x 256-column fp32 tile would spill.
-    # Chunk widths per block shape are the static SASS report's best for the K loop (ptxas
-    # allocates registers for the whole kernel, so the epilogue's shape moves the loop's count).
-    C: tl.constexpr = BLOCK_N if BLOCK_M <= 16 else (128 if SWAP_AB else 64)
-    CHUNK: tl.constexpr = BLOCK_N if BLOCK_N < C else C
-    for c in range(0, BLOCK_N // CHUNK):
-        cols = pid_n * BLOCK_N + c * CHUNK + tl.arange(0, CHUNK)
-        tc_idx, c_idx = _tile_index(token, cols, SWAP_AB)
-        ok_last, ok_c = _tile_index(last, cols < H, SWAP_AB)
-        ok_t = ok_last & ok_c
-        if ATOMIC:
-            y = tl.load(buf_ptr + tc_idx * H + c_idx, mask=ok_t, other=0.0, cache_modifier=".cg")
-        else:
-            y = tl.zeros(ok_t.shape, dtype=tl.float32)
-            for q in range(0, top_k * SPLIT_K):  # slot j = q // SPLIT_K, K slice q % SPLIT_K
-                j = q // SPLIT_K
-                e = tl.load(topk_ids_ptr + token * stride_im + j * stride_ik, mask=last, other=-1)
-                ok_e, _unused = _tile_index((e >= 0) & (e < num_experts), cols, SWAP_AB)
-                y += tl.load(buf_ptr + ((q % SPLIT_K) * num_pairs + tc_idx * top_k + j) * H + c_idx,
-                             mask=ok_e & ok_t, other=0.0, cache_modifier=".cg")
-        y = y * scale
-        tl.store(out_ptr + tc_idx * stride_om + c_idx * stride_oh, y.to(out_ptr.dtype.element_ty), mask=ok_t)
+    # Everything of the epilogue is loaded after the K loop: nothing stays live through it.
+    combine_by_last_arrival(acc, tl.load(s2_ptr + expert) * _ACC_SCALE, offs_m, topk_w_ptr, topk_ids_ptr,
+                            stride_im, stride_ik, buf_ptr, out_ptr, stride_om, stride_oh, tickets_ptr, sorted_ids_ptr,
+                            pid_b, pid_n, pid_k, num_pairs, top_k, num_experts, H, scale,
+                            BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB, ATOMIC)

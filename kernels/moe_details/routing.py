@@ -97,32 +97,15 @@ def align_routing_triton(
     """
     from . import routing_kernels as rk
 
-    device = topk_ids.device
-    num_pairs = topk_ids.numel()
-    E = num_experts
-    max_blocks = max_padded_blocks(num_pairs, E, block_m)
-    max_padded = max_blocks * block_m
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    if tickets is None:
-        tickets = torch.empty(0, dtype=torch.int32, device=device)
-    elif tickets.dtype != torch.int32 or not tickets.is_contiguous() or tickets.device != device:
-        raise ValueError(f"tickets: expected a contiguous int32 tensor on {device}, got {tickets.dtype} on {tickets.device}")
-
-    sorted_pair_ids = torch.empty(max_padded + 1, dtype=torch.int32, device=device)
-    block_expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    fill = max_padded + 1
-
-    if num_pairs <= rk.SMALL_MAX_PAIRS and E < rk.SMALL_MAX_BINS:
-        bins = max(16, _next_pow2(E + 1))
-        shift = torch.empty(bins, dtype=torch.int32, device=device)
-        rk.align_small_kernel[(1,)](
-            ids, sorted_pair_ids, block_expert_ids, num_padded, shift, tickets,
-            num_pairs, E, fill, max_blocks, tickets.numel(),
-            BLOCK_M=block_m, P=max(16, _next_pow2(num_pairs)), E_BINS=bins, FILL=1024,
-            num_warps=8,
-        )
-        return AlignedRouting(sorted_pair_ids, block_expert_ids, num_padded, num_pairs, block_m, max_blocks)
+    small = small_routing_launch(topk_ids, num_experts, block_m, tickets)
+    if small is not None:
+        routing, args, consts = small
+        rk.align_small_kernel[(1,)](*args, **consts, num_warps=SMALL_NUM_WARPS)
+        return routing
+    routing, ids, tickets = _routing_buffers(topk_ids, num_experts, block_m, tickets)
+    device, E, num_pairs = ids.device, num_experts, routing.num_pairs
+    sorted_pair_ids, block_expert_ids, num_padded = routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded
+    max_blocks, fill = routing.max_blocks, routing.max_padded + 1
 
     counts = torch.zeros(E, dtype=torch.int32, device=device)
     rank = torch.empty(max(num_pairs, 1), dtype=torch.int32, device=device)
@@ -140,7 +123,49 @@ def align_routing_triton(
     rk.scatter_pairs_kernel[(-(-num_pairs // block),)](
         ids, rank, padded_start, sorted_pair_ids, num_pairs, E, BLOCK=block
     )
-    return AlignedRouting(sorted_pair_ids, block_expert_ids, num_padded, num_pairs, block_m, max_blocks)
+    return routing
+
+
+SMALL_NUM_WARPS = 8  # warps of the one-program alignment (its sort and histogram)
+
+
+def _routing_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int, tickets: torch.Tensor | None):
+    """(AlignedRouting with uninitialised buffers, contiguous ids, checked tickets)."""
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    max_blocks = max_padded_blocks(num_pairs, num_experts, block_m)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    if tickets is None:
+        tickets = torch.empty(0, dtype=torch.int32, device=device)
+    elif tickets.dtype != torch.int32 or not tickets.is_contiguous() or tickets.device != device:
+        raise ValueError(f"tickets: expected a contiguous int32 tensor on {device}, got {tickets.dtype} on {tickets.device}")
+    routing = AlignedRouting(
+        torch.empty(max_blocks * block_m + 1, dtype=torch.int32, device=device),
+        torch.empty(max_blocks, dtype=torch.int32, device=device),
+        torch.empty(1, dtype=torch.int32, device=device),
+        num_pairs, block_m, max_blocks,
+    )
+    return routing, ids, tickets
+
+
+def small_routing_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                         tickets: torch.Tensor | None = None) -> tuple[AlignedRouting, tuple, dict] | None:
+    """The one-program alignment's buffers and launch arguments, or None where the call is too
+    large for it (> routing_kernels.SMALL_MAX_PAIRS pairs, or E >= SMALL_MAX_BINS). Returns
+    (routing, positional args, constexpr kwargs) of routing_kernels.align_small, for
+    align_small_kernel or a kernel that runs align_small in its program 0 (one launch less)."""
+    from . import routing_kernels as rk
+
+    num_pairs = topk_ids.numel()
+    if num_pairs > rk.SMALL_MAX_PAIRS or num_experts >= rk.SMALL_MAX_BINS:
+        return None
+    routing, ids, tickets = _routing_buffers(topk_ids, num_experts, block_m, tickets)
+    bins = max(16, _next_pow2(num_experts + 1))
+    shift = torch.empty(bins, dtype=torch.int32, device=ids.device)
+    args = (ids, routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded, shift, tickets,
+            num_pairs, num_experts, routing.max_padded + 1, routing.max_blocks, tickets.numel())
+    consts = dict(BLOCK_M=block_m, P=max(16, _next_pow2(num_pairs)), E_BINS=bins, FILL=1024)
+    return routing, args, consts
 
 
 def _next_pow2(n: int) -> int:

@@ -31,8 +31,19 @@ SMALL_MAX_BINS = 1024
 def align_small_kernel(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shift_ptr,
                        tickets_ptr, num_pairs, num_experts, fill_len, max_blocks, ticket_len,
                        BLOCK_M: tl.constexpr, P: tl.constexpr, E_BINS: tl.constexpr, FILL: tl.constexpr):
-    """Whole alignment in one program (grid (1,)). P: pow2 >= num_pairs; E_BINS: pow2 > num_experts
-    (bin num_experts collects dropped pairs and the P - num_pairs lanes past the end).
+    """Whole alignment in one program (grid (1,)); see align_small."""
+    align_small(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shift_ptr, tickets_ptr, num_pairs,
+                num_experts, fill_len, max_blocks, ticket_len, BLOCK_M, P, E_BINS, FILL)
+
+
+@triton.jit
+def align_small(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shift_ptr,
+                tickets_ptr, num_pairs, num_experts, fill_len, max_blocks, ticket_len,
+                BLOCK_M: tl.constexpr, P: tl.constexpr, E_BINS: tl.constexpr, FILL: tl.constexpr):
+    """The whole alignment by the calling program (a kernel of its own, or program 0 of a launch
+    that does other per-token work in its other programs, e.g. the FP4 modes' activation
+    quantization). P: pow2 >= num_pairs; E_BINS: pow2 > num_experts (bin num_experts collects
+    dropped pairs and the P - num_pairs lanes past the end).
 
     shift_ptr: int32 [E_BINS] scratch (padded start - unpadded start of every expert)."""
     p = tl.arange(0, P)

@@ -19,8 +19,9 @@ from ..moe_details.compile_check import _require_compiler, compile_kernel
 
 def compile_fp4_gemm(kind: str, act_quant: str, config, H: int, I: int, top_k: int, arch: int = 100,
                      intermediate_static: bool = True):
-    """Compile GEMM1 ("gemm1", SiTU + intermediate quantization) or GEMM2 ("gemm2") of one FP4
-    mode at one FP4MoEConfig for sm<arch>. Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
+    """Compile GEMM1 ("gemm1", SiTU + intermediate quantization) or GEMM2 ("gemm2", with the
+    skeleton's top-k combine) of one FP4 mode at one FP4MoEConfig (its split-K included) for
+    sm<arch>. Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
     _require_compiler()
     from . import kernels as K
 
@@ -28,22 +29,53 @@ def compile_fp4_gemm(kind: str, act_quant: str, config, H: int, I: int, top_k: i
     nv = mode == K.MODE_NVFP4
     a_t = "*u8" if nv else "*fp8e4nv"
     as_t = "*fp8e4nv" if nv else "*u8"
-    ws_t = "*fp8e4nv" if nv else "*u8"
-    common = dict(sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, H=H, I=I)
+    common = dict(a_ptr=a_t, as_ptr=as_t, ars_ptr="*fp32", w_ptr="*u8", ws_ptr=as_t, s2_ptr="*fp32",
+                  tickets_ptr="*i32", sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
+                  num_pairs=17, top_k=top_k, H=H, I=I, inter_scale=0.0372)
     if kind == "gemm1":
         fn = K.fp4_gemm1_kernel
-        args = dict(a_ptr=a_t, as_ptr=as_t, ars_ptr="*fp32", w_ptr="*u8", ws_ptr=ws_t, s2_ptr="*fp32",
-                    o_ptr=a_t, os_ptr=as_t, of_ptr="*fp32", top_k=top_k, beta=4.0, linear_beta=25.0,
-                    inter_scale=0.0372, **common)
+        args = dict(o_ptr=a_t, os_ptr=as_t, of_ptr="*fp32", part_ptr="*fp32", beta=4.0, linear_beta=25.0, **common)
         consts = dict(MODE=mode, OUT_F32=nv and not intermediate_static, ACT=0, HAS_LINEAR_BETA=True,
-                      BLOCK_N=config.block_n1, BLOCK_K=config.block_k1)
+                      BLOCK_N=config.block_n1, BLOCK_K=config.block_k1, SPLIT_K=config.split_k1)
     else:
         fn = K.fp4_gemm2_kernel
-        args = dict(a_ptr=a_t, as_ptr=as_t, ars_ptr="*fp32", w_ptr="*u8", ws_ptr=ws_t, s2_ptr="*fp32",
-                    topk_w_ptr="*fp32", buf_ptr="*fp32", inter_scale=0.0372, **common)
-        consts = dict(MODE=mode, INTER_STATIC=intermediate_static, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2)
+        args = dict(topk_w_ptr="*fp32", topk_ids_ptr="*i32", stride_im=top_k, stride_ik=1, buf_ptr="*fp32",
+                    out_ptr="*bf16", stride_om=H, stride_oh=1, num_experts=17, scale=1.0, **common)
+        consts = dict(MODE=mode, INTER_STATIC=intermediate_static, BLOCK_N=config.block_n2, BLOCK_K=config.block_k2,
+                      SPLIT_K=config.split_k2, ATOMIC=config.atomic_reduce)
     consts.update(BLOCK_M=config.block_m, SWAP_AB=config.swap_ab, EMULATE=False)
     return compile_kernel(fn, args, consts, arch, config.num_warps, config.num_stages)
+
+
+def measure_fp4_gemm(kind: str, act_quant: str, config, H: int = 3584, I: int = 384, top_k: int = 16,
+                     arch: int = 100) -> dict:
+    """Compile one FP4 GEMM (with split-K 2, the epilogue that costs the most registers) and
+    measure its hot K loop statically: instructions per warp and iteration, registers, shared
+    memory, spills, and the weights one iteration streams. Returns a dict with "loop_cost"
+    (perf_model.LoopCost) and the details."""
+    from dataclasses import replace
+
+    from .. import sass
+    from ..perf_model import LoopCost
+
+    K_dim = H if kind == "gemm1" else I
+    bk = config.block_k1 if kind == "gemm1" else config.block_k2
+    split = min(2, K_dim // bk)
+    cfg = replace(config, split_k1=split) if kind == "gemm1" else replace(config, split_k2=split)
+    c = compile_fp4_gemm(kind, act_quant, cfg, H, I, top_k, arch)
+    funcs = sass.disassemble(c.asm["cubin"])
+    name = next(n for n in funcs if "gemm" in n)
+    ru = sass.resource_usage(c.asm["cubin"])[name]
+    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+    rows = 2 * config.block_n1 if kind == "gemm1" else config.block_n2
+    return {
+        "loop_cost": LoopCost(st.instructions, config.num_warps, ru.registers, c.metadata.shared, ru.local_bytes),
+        "instructions_per_iteration": st.instructions,
+        "weights_per_iteration": rows * bk,
+        "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, config.num_warps, rows * bk), 4),
+        "registers": ru.registers, "local_bytes": ru.local_bytes, "shared_bytes": c.metadata.shared,
+        "mma_per_iteration": st.mma,
+    }
 
 
 def mma_summary(compiled) -> dict:
@@ -73,12 +105,13 @@ def resource_summary(compiled) -> dict:
     return {"registers": usage[name].registers, "local_bytes": usage[name].local_bytes}
 
 
-# (name, FP4MoEConfig kwargs): decode (swap-AB, 16-token blocks) and prefill (128-row blocks).
+# (name, FP4MoEConfig kwargs): decode (swap-AB, 16-token blocks; GEMM1 split over K) and prefill
+# (128-row blocks, the atomic top-k sum), as FP4MoEConfig.heuristic picks them for K3 TP16.
 CONFIGS = (
-    ("bm16_swap", dict(block_m=16, swap_ab=True, block_n1=128, block_n2=128, block_k1=128, block_k2=64,
-                       num_warps=4)),
-    ("bm128_noswap", dict(block_m=128, swap_ab=False, block_n1=128, block_n2=128, block_k1=128, block_k2=64,
-                          num_warps=8)),
+    ("bm16_swap", dict(block_m=16, swap_ab=True, block_n1=64, block_n2=128, block_k1=128, block_k2=64,
+                       split_k1=4, num_warps=4)),
+    ("bm128_noswap", dict(block_m=128, swap_ab=False, block_n1=64, block_n2=128, block_k1=128, block_k2=64,
+                          num_warps=8, atomic_reduce=True)),
 )
 
 
@@ -86,7 +119,7 @@ def compile_all(arch: int = 100, H: int = 3584, I: int = 192, top_k: int = 16) -
     """GEMM1 and GEMM2 of both FP4 modes at the CONFIGS, K3 TP16 shapes by default."""
     import triton
 
-    from ..moe_fp4 import FP4MoEConfig
+    from .config import FP4MoEConfig
 
     out = []
     for act_quant in ("nvfp4", "mxfp8"):

@@ -10,8 +10,15 @@ scales as E8M0, so the interpreter runs MODE 0 that way (moe_fp4.py decides; nev
 
 Quantizers (_quant_nvfp4 / _quant_mxfp8) follow kernels/act_quant.py exactly: same fp32
 operations in the same order, IEEE divisions (div_rn), so the bits agree with the torch reference.
-Grid of both GEMMs: (max_blocks, cdiv(N, BLOCK_N)); blocks past the used rows exit at once. A column
-tile may run past N (I = 192 with 128-wide tiles: tcgen05's block-scaled MMA wants 128 rows on M).
+Both GEMMs run on the MoE skeleton of the W4A16 family (moe_details/skeleton.py): grid (row
+block, column tile, K slice), split-K finished by the last slice to arrive, and GEMM2's top-k sum
+by each token's last arrival, writing the output in its dtype (no combine launch). Only the K
+step (``tl.dot_scaled`` on quantized tiles) and GEMM1's epilogue (quantization of the
+intermediate) are this family's own.
+
+GEMM1 stacks the gate rows n .. n + BLOCK_N and the up rows I + n .. of its column tile into ONE
+weight operand of 2 x BLOCK_N rows: with BLOCK_N = 64 that is the 128-row M side tcgen05's
+block-scaled MMA wants (swap-AB), and I = 192 / 384 splits into 3 / 6 tiles with no padding row.
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ import triton
 import triton.language as tl
 
 from ..interpreter import interpret_requested
-from ..moe_details.kernels import _gated_act
+from ..moe_details.activation import gated_act
+from ..moe_details.routing_kernels import align_small
+from ..moe_details.skeleton import (block_used, combine_by_last_arrival, k_range, split_k_arrive, split_k_sum,
+                                    tile_index, zero_dropped_tokens)
 
 MODE_NVFP4 = 0
 MODE_MXFP8 = 1
@@ -189,20 +199,24 @@ def _as_mn(acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def quant_rows_kernel(
-    x_ptr, stride_xm, q_ptr, s_ptr, rs_ptr, num_rows_ptr, K, static_scale,
-    MODE: tl.constexpr, STATIC: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Quantize row r = program_id(0) of x [R, K] (any float dtype, K % BLOCK_K == 0) once.
+def _split_gate_up(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """GEMM1's stacked accumulator ([2 BN, BM] with swap-AB, else [BM, 2 BN]; gate rows first) ->
+    (gate, up), each [BN, BM] / [BM, BN]."""
+    if SWAP_AB:
+        both = tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0))
+    else:
+        both = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
+    return tl.split(both)
+
+
+@triton.jit
+def quant_row(x_ptr, stride_xm, q_ptr, s_ptr, rs_ptr, r, K, static_scale,
+              MODE: tl.constexpr, STATIC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Quantize row r of x [R, K] (any float dtype, K % BLOCK_K == 0) once.
 
     MODE 0 (NVFP4): pass 1 row amax (unless STATIC: row scale = static_scale), pass 2 packed
     [R, K/2] + E4M3 [R, K/16] + fp32 row scale [R]. MODE 1 (MXFP8): E4M3 [R, K] + E8M0 [R, K/32].
-    HAS_NUM_ROWS: rows >= num_rows_ptr[0] (unused padding rows of the intermediate) exit.
     """
-    r = tl.program_id(0).to(tl.int64)
-    if HAS_NUM_ROWS:
-        if r >= tl.load(num_rows_ptr):
-            return
     row = x_ptr + r * stride_xm
     offs = tl.arange(0, BLOCK_K)
     if MODE == 0:
@@ -230,33 +244,69 @@ def quant_rows_kernel(
 
 
 @triton.jit
+def quant_rows_kernel(
+    x_ptr, stride_xm, q_ptr, s_ptr, rs_ptr, num_rows_ptr, K, static_scale,
+    MODE: tl.constexpr, STATIC: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """quant_row of row program_id(0). HAS_NUM_ROWS: rows >= num_rows_ptr[0] (unused padding
+    rows of the intermediate) exit."""
+    r = tl.program_id(0).to(tl.int64)
+    if HAS_NUM_ROWS:
+        if r >= tl.load(num_rows_ptr):
+            return
+    quant_row(x_ptr, stride_xm, q_ptr, s_ptr, rs_ptr, r, K, static_scale, MODE, STATIC, BLOCK_K)
+
+
+@triton.jit
+def route_quant_kernel(
+    topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shift_ptr, tickets_ptr,
+    num_pairs, num_experts, fill_len, max_blocks, ticket_len,
+    x_ptr, stride_xm, q_ptr, s_ptr, rs_ptr, K, static_scale,
+    BLOCK_M: tl.constexpr, P: tl.constexpr, E_BINS: tl.constexpr, FILL: tl.constexpr,
+    MODE: tl.constexpr, STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The call's first launch, grid (1 + M,): program 0 aligns the routing (routing_kernels.
+    align_small, also zeroing the GEMMs' counters), program 1 + t quantizes token t's activation
+    row once for all its experts (quant_row). Two kernels' work in one launch."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        align_small(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shift_ptr, tickets_ptr,
+                    num_pairs, num_experts, fill_len, max_blocks, ticket_len, BLOCK_M, P, E_BINS, FILL)
+    else:
+        quant_row(x_ptr, stride_xm, q_ptr, s_ptr, rs_ptr, (pid - 1).to(tl.int64), K, static_scale,
+                  MODE, STATIC, BLOCK_K)
+
+
+@triton.jit
 def fp4_gemm1_kernel(
     a_ptr, as_ptr, ars_ptr,
     w_ptr, ws_ptr, s2_ptr,
-    o_ptr, os_ptr, of_ptr,
+    o_ptr, os_ptr, of_ptr, part_ptr, tickets_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, top_k, H, I,
     beta, linear_beta, inter_scale,
     MODE: tl.constexpr, OUT_F32: tl.constexpr, ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    EMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """GEMM1 + gated activation + quantization of the intermediate, one (row block, column tile).
+    """GEMM1 + gated activation + quantization of the intermediate, one (row block, column tile of
+    BLOCK_N columns of I, K slice).
 
-    a: the tokens' quantized activations (quant_rows_kernel; row scale ars [M] in MODE 0), read
-    through pair -> token, so each token is quantized once for all its experts. Gate rows n and up
-    rows I + n of the block's expert; in MODE 0 the fp32 accumulators are multiplied by the row
-    scale and the per-half scale_2 (MODE 1 has scale_2 folded into the E8M0 scales). Epilogue:
+    a: the tokens' quantized activations (row scale ars [M] in MODE 0), read through pair ->
+    token. One MMA per K step on the stacked gate + up rows (module docstring). In MODE 0 the fp32
+    accumulators are multiplied by the token's row scale and the per-half scale_2 (MODE 1 has
+    scale_2 folded into the E8M0 scales). SPLIT_K > 1: the skeleton's split-K (fp32 partials
+    part [SPLIT_K, max_padded, 2I], counters tickets[block, column tile]). The finishing program:
     SiTU / SiLU in fp32, then
-      OUT_F32: store fp32 [max_padded, I] to of (quantized afterwards by quant_rows_kernel), or
+      OUT_F32: fp32 [max_padded, I] to of (quantized afterwards by quant_rows_kernel), or
       MODE 0: NVFP4 with the static row scale inter_scale -> o packed [max_padded, I/2], os E4M3
               [max_padded, I/16];  MODE 1: MXFP8 -> o E4M3 [max_padded, I], os E8M0 [max_padded, I/32].
     Padding rows are not stored.
     """
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    num_padded = tl.load(num_padded_ptr)
-    if pid_b * BLOCK_M >= num_padded:
+    pid_k = tl.program_id(2)
+    if not block_used(num_padded_ptr, pid_b, BLOCK_M):
         return
     expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
     offs_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -265,7 +315,10 @@ def fp4_gemm1_kernel(
     token = tl.where(valid, pair // top_k, 0)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_ok = offs_n < I
-    w_rows = tl.minimum(offs_n, I - 1)  # a tile past I re-reads row I - 1 (never stored)
+    # Stacked operand rows: gate rows n, then up rows I + n; a tile past I re-reads row I - 1.
+    r = tl.arange(0, 2 * BLOCK_N)
+    n_row = tl.minimum(pid_n * BLOCK_N + r % BLOCK_N, I - 1).to(tl.int64)
+    w_rows = tl.where(r < BLOCK_N, n_row, I + n_row)
     two_i = 2 * I
     w_e = w_ptr + expert * two_i * (H // 2)
     if MODE == 0:
@@ -273,24 +326,28 @@ def fp4_gemm1_kernel(
     else:
         ws_e = ws_ptr + expert * two_i * (H // 32)
     if SWAP_AB:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    step_lo, step_hi = k_range(pid_k, H, BLOCK_K, SPLIT_K)
+    for step in range(step_lo, step_hi):
+        k0 = step * BLOCK_K
         aq, asc = _load_act(a_ptr, as_ptr, token, k0, H, MODE, BLOCK_K)
-        gq, gs = _load_w(w_e, ws_e, w_rows, k0, H, MODE, BLOCK_K)
-        uq, us = _load_w(w_e, ws_e, I + w_rows, k0, H, MODE, BLOCK_K)
-        acc_g = _mma_step(acc_g, aq, asc, gq, gs, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EMULATE)
-        acc_u = _mma_step(acc_u, aq, asc, uq, us, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EMULATE)
-    g = _as_mn(acc_g, SWAP_AB)
-    u = _as_mn(acc_u, SWAP_AB)
+        wq, wsc = _load_w(w_e, ws_e, w_rows, k0, H, MODE, BLOCK_K)
+        acc = _mma_step(acc, aq, asc, wq, wsc, MODE, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, EMULATE)
+    g, u = _split_gate_up(acc, BLOCK_M, BLOCK_N, SWAP_AB)
     if MODE == 0:
-        rs = tl.load(ars_ptr + token)[:, None]
+        rs, _unused = tile_index(tl.load(ars_ptr + token), offs_n, SWAP_AB)
         g = g * rs * tl.load(s2_ptr + expert * 2)
         u = u * rs * tl.load(s2_ptr + expert * 2 + 1)
-    act = _gated_act(g, u, beta, linear_beta, ACT, HAS_LINEAR_BETA)
+    if SPLIT_K > 1:
+        m_idx, n_idx = tile_index(offs_m.to(tl.int64), offs_n, SWAP_AB)
+        ok_m, ok_n = tile_index(offs_m >= 0, n_ok, SWAP_AB)
+        part = part_ptr + m_idx * (2 * I) + n_idx
+        if not split_k_arrive(part, g, u, ok_m & ok_n, I, tickets_ptr, pid_b, pid_n, pid_k, BLOCK_M, SPLIT_K):
+            return
+        g, u = split_k_sum(part, ok_m & ok_n, I, g, u, BLOCK_M, SPLIT_K)
+    act = _as_mn(gated_act(g, u, beta, linear_beta, ACT, HAS_LINEAR_BETA), SWAP_AB)
     rows = offs_m.to(tl.int64)[:, None]
     # I % 64 == 0: every 16- / 32-block of a tile lies wholly before or past I.
     cq = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -312,29 +369,30 @@ def fp4_gemm1_kernel(
 def fp4_gemm2_kernel(
     a_ptr, as_ptr, ars_ptr,
     w_ptr, ws_ptr, s2_ptr,
-    topk_w_ptr, buf_ptr,
+    topk_w_ptr, topk_ids_ptr, stride_im, stride_ik,
+    buf_ptr, out_ptr, stride_om, stride_oh, tickets_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, H, I, inter_scale,
+    num_pairs, top_k, num_experts, H, I, inter_scale, scale,
     MODE: tl.constexpr, INTER_STATIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    EMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, EMULATE: tl.constexpr, ATOMIC: tl.constexpr,
 ):
-    """GEMM2 of one (row block, column tile): the quantized intermediate rows of the block (sorted
-    order) x w2[expert]^T; MODE 0 multiplies the fp32 accumulator by the intermediate's row scale
-    (inter_scale when INTER_STATIC, else ars [max_padded]) and w2's scale_2; then by the pair's
-    routing weight. Stores fp32 rows buf[pair, H] (summed over top-k by combine_kernel in a fixed
-    order: deterministic)."""
+    """GEMM2 of one (row block, column tile, K slice): the quantized intermediate rows of the block
+    (sorted order) x w2[expert]^T; MODE 0 multiplies the fp32 accumulator by the intermediate's
+    row scale (inter_scale when INTER_STATIC, else ars [max_padded]) and w2's scale_2; then the
+    skeleton's combine_by_last_arrival: x routing weight, the top-k sum (in slot order through buf
+    fp32 [SPLIT_K, M*k, H], or ATOMIC: fp32 adds into buf [M, H], zeroed by the caller), x scale,
+    cast: out [M, H] in its dtype."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    num_padded = tl.load(num_padded_ptr)
-    if pid_b * BLOCK_M >= num_padded:
+    pid_k = tl.program_id(2)
+    if not block_used(num_padded_ptr, pid_b, BLOCK_M):
+        zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
+                            num_pairs, top_k, num_experts, H, BLOCK_M, BLOCK_N)
         return
     expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
     offs_m = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
-    valid = pair < num_pairs
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    n_ok = offs_n < H
     w_rows = tl.minimum(offs_n, H - 1)  # a tile past H re-reads row H - 1 (never stored)
     w_e = w_ptr + expert * H * (I // 2)
     if MODE == 0:
@@ -345,37 +403,22 @@ def fp4_gemm2_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    step_lo, step_hi = k_range(pid_k, I, BLOCK_K, SPLIT_K)
+    for step in range(step_lo, step_hi):
+        k0 = step * BLOCK_K
         aq, asc = _load_act(a_ptr, as_ptr, offs_m, k0, I, MODE, BLOCK_K)
         wq, wsc = _load_w(w_e, ws_e, w_rows, k0, I, MODE, BLOCK_K)
         acc = _mma_step(acc, aq, asc, wq, wsc, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EMULATE)
-    y = _as_mn(acc, SWAP_AB)
     if MODE == 0:
         if INTER_STATIC:
-            y = y * inter_scale
+            post = inter_scale * tl.load(s2_ptr + expert)
         else:
-            y = y * tl.load(ars_ptr + offs_m)[:, None]
-        y = y * tl.load(s2_ptr + expert)
-    tw = tl.load(topk_w_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
-    y = y * tw[:, None]
-    tl.store(buf_ptr + pair[:, None] * H + offs_n[None, :], y, mask=valid[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def combine_kernel(
-    buf_ptr, ids_ptr, stride_im, stride_ik, out_ptr, stride_om, stride_on,
-    top_k, num_experts, H, scale,
-    BLOCK: tl.constexpr,
-):
-    """out[t, cols] = scale x sum over slots j = 0 .. k-1 (in order) of buf[t k + j, cols], slots
-    whose id lies outside [0, E) skipped (their rows were never written); cast to out's dtype."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols < H
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in range(0, top_k):
-        e = tl.load(ids_ptr + t * stride_im + j * stride_ik)
-        ok = (e >= 0) & (e < num_experts)
-        acc += tl.load(buf_ptr + (t * top_k + j) * H + cols, mask=cmask & ok, other=0.0)
-    acc = acc * scale
-    tl.store(out_ptr + t * stride_om + cols * stride_on, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+            rs, _unused = tile_index(tl.load(ars_ptr + offs_m), offs_n, SWAP_AB)
+            acc = acc * rs
+            post = tl.load(s2_ptr + expert)
+    else:
+        post = 1.0  # scale_2 is folded into the E8M0 scales
+    combine_by_last_arrival(acc, post, offs_m, topk_w_ptr, topk_ids_ptr, stride_im, stride_ik,
+                            buf_ptr, out_ptr, stride_om, stride_oh, tickets_ptr, sorted_ids_ptr,
+                            pid_b, pid_n, pid_k, num_pairs, top_k, num_experts, H, scale,
+                            BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB, ATOMIC)
