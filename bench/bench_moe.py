@@ -68,6 +68,8 @@ SHAPES = {
     # CPU smoke shapes (interpreter): H, I multiples of 16, not powers of two.
     "tiny-tp": (dict(E=6, H=48, I=32, top_k=2, global_experts=6), 4),
     "tiny-ep": (dict(E=4, H=48, I=32, top_k=4, global_experts=16), 4),
+    # The FP4 tensor-core modes need H, I multiples of 64 (whole MMA K steps).
+    "tiny-fp4": (dict(E=6, H=128, I=64, top_k=2, global_experts=6), 4),
 }
 DEFAULT_M = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 
