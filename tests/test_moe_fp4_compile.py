@@ -77,3 +77,17 @@ def test_cost_table_matches_the_kernels_and_picks_launch():
             one = FP4MoEConfig.heuristic(s.local_experts, s.hidden, s.intermediate, s.top_k, 1, act_quant=mode)
             tiles1 = -(-s.intermediate // one.block_n1)
             assert s.top_k * tiles1 * one.split_k1 >= pm.B200.sms, (name, mode, one)  # >= one program per SM
+
+
+@pytest.mark.parametrize("arch", [90, 100])
+def test_fused_routing_and_quantization_launch_compiles(arch):
+    """The FP4 modes' first launch (align_small in program 0, quant_row in the others) compiles
+    for Hopper and Blackwell without spilling."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from k3nvfp4.kernels import sass; "
+            "from k3nvfp4.kernels.moe_fp4_details.compile_fp4 import compile_route_quant; "
+            f"cs = [compile_route_quant(m, {arch}) for m in ('nvfp4', 'mxfp8')]; "
+            "print(json.dumps([sass.resource_usage(c.asm['cubin'])['route_quant_kernel'].local_bytes for c in cs]))")
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, 0]

@@ -29,8 +29,8 @@ import triton.language as tl
 from .fp4 import decode_scale_words, dequant_e2m1_words, tile_e2m1_bf16
 from .activation import gated_act
 from .layout import ACC_SCALE
-from .skeleton import (block_used, combine_by_last_arrival, k_range, split_k_arrive, split_k_sum, tile_index,
-                       zero_dropped_tokens)
+from .skeleton import (accumulator, block_program, combine_by_last_arrival, k_range, split_k_arrive, split_k_sum,
+                       tile_index, zero_dropped_tokens)
 
 _ACC_SCALE = tl.constexpr(ACC_SCALE)
 
@@ -170,14 +170,9 @@ def gemm1_gated_kernel(
     SPLIT_K > 1: the skeleton's split-K (fp32 partials part [SPLIT_K, max_padded, 2I], counters
     tickets[block, column tile]); the last slice applies the activation.
     """
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if not block_used(num_padded_ptr, pid_b, BLOCK_M):
+    pid_b, pid_n, pid_k, used, expert, offs_m = block_program(num_padded_ptr, block_expert_ptr, BLOCK_M)
+    if not used:
         return
-    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
-
-    offs_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
     token = tl.minimum(pair // top_k, num_pairs // top_k - 1)  # padding rows: any valid row
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -188,12 +183,8 @@ def gemm1_gated_kernel(
     rt_gate = _row_tiles(rt_expert + pid_n * (BLOCK_N // 16), rt_expert + I // 16, BLOCK_N)
     rt_up = _row_tiles(rt_expert + I // 16 + pid_n * (BLOCK_N // 16), rt_expert + 2 * I // 16, BLOCK_N)
 
-    if SWAP_AB:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_u = accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
 
     step_lo, step_hi = k_range(pid_k, H, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
@@ -236,22 +227,14 @@ def gemm2_combine_kernel(
     """GEMM2 (intermediate [max_padded, I] x w2^T) x scale_2 x routing weight, the top-k sum,
     x scale, cast: out [M, H] in its dtype, in this one launch (the skeleton's
     combine_by_last_arrival; buf: fp32 [SPLIT_K, M*k, H], or [M, H] zeroed when ATOMIC)."""
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if not block_used(num_padded_ptr, pid_b, BLOCK_M):
+    pid_b, pid_n, pid_k, used, expert, offs_m = block_program(num_padded_ptr, block_expert_ptr, BLOCK_M)
+    if not used:
         zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
                             num_pairs, top_k, num_experts, H, BLOCK_M, BLOCK_N)
         return
-    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
-
-    offs_m = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rt = _row_tiles(expert * (H // 16) + pid_n * (BLOCK_N // 16), (expert + 1) * (H // 16), BLOCK_N)
 
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
     step_lo, step_hi = k_range(pid_k, I, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K

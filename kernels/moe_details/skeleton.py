@@ -3,8 +3,8 @@ modes: moe_fp4_details/kernels.py). A family only says how one K step's operands
 and what GEMM1's epilogue stores; everything around the K loop lives here:
 
 - the grid: program (b, n, s) = (row block of the routing alignment, column tile, K slice);
-  blocks past the used rows exit at once (block_used), so the grid is the worst case and nothing
-  is read back on the host;
+  blocks past the used rows exit at once (block_program), so the grid is the worst case and
+  nothing is read back on the host;
 - split-K finished by the last arrival: each K slice stores its fp32 partials and counts itself
   on a counter of its (block, column tile); the slice that arrives last sums all slices in slice
   order (split_k_arrive, split_k_sum);
@@ -34,9 +34,25 @@ def tile_index(offs_m, offs_n, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def block_used(num_padded_ptr, pid_b, BLOCK_M: tl.constexpr):
-    """Whether row block pid_b holds routed rows (blocks past num_padded exit)."""
-    return pid_b * BLOCK_M < tl.load(num_padded_ptr)
+def block_program(num_padded_ptr, block_expert_ptr, BLOCK_M: tl.constexpr):
+    """This program's (row block, column tile, K slice) ids; whether its row block holds routed
+    rows (blocks past num_padded exit at once: the grid is the worst case); the block's expert
+    (int64) and its rows in the sorted order (int64 [BLOCK_M])."""
+    pid_b = tl.program_id(0)
+    used = pid_b * BLOCK_M < tl.load(num_padded_ptr)
+    expert = tl.load(block_expert_ptr + pid_b, mask=used, other=0).to(tl.int64)
+    offs_m = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return pid_b, tl.program_id(1), tl.program_id(2), used, expert, offs_m
+
+
+@triton.jit
+def accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A zero fp32 accumulator of BLOCK_M tokens x BLOCK_N weight rows: [BN, BM] with swap-AB
+    (weights on the MMA M side), else [BM, BN]."""
+    if SWAP_AB:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit

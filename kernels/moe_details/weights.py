@@ -39,8 +39,39 @@ def _shape(t: torch.Tensor, name: str, expected: tuple[int, ...]) -> None:
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
+def validate_modelopt(w13: torch.Tensor, w13_scale: torch.Tensor, w13_scale_2: torch.Tensor, w2: torch.Tensor,
+                      w2_scale: torch.Tensor, w2_scale_2: torch.Tensor) -> tuple[int, int, int]:
+    """Check SGLang's six ModelOpt NVFP4 MoE tensors (dtypes, ranks, shapes, one device; a
+    ValueError names the tensor) and return (E, I, H). Shapes as NVFP4MoEWeights.from_modelopt."""
+    scale_dtypes = (torch.float8_e4m3fn, torch.uint8)
+    _check(w13, "w13", (torch.uint8,), 3)
+    _check(w2, "w2", (torch.uint8,), 3)
+    _check(w13_scale, "w13_scale", scale_dtypes, 3)
+    _check(w2_scale, "w2_scale", scale_dtypes, 3)
+    E, I, H = _check_shapes(w13, w2, w13_scale_2, w2_scale_2)
+    _shape(w13_scale, "w13_scale", (E, 2 * I, H // 16))
+    _shape(w2_scale, "w2_scale", (E, H, I // 16))
+    _same_device(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+    return E, I, H
+
+
+class ExpertWeights:
+    """What every routed-expert weight set of one layer answers, whatever its layout: a w13
+    tensor with the experts on its first dimension."""
+
+    w13: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+
 @dataclass(frozen=True)
-class NVFP4MoEWeights:
+class NVFP4MoEWeights(ExpertWeights):
     """Routed-expert weights of one layer, NVFP4, in the kernel-native layout (layout.py).
 
       w13         uint8 [E, 2I/16, ceil(H/64), 512]  gate (w1) rows 0..I-1, then up (w3) rows
@@ -73,14 +104,6 @@ class NVFP4MoEWeights:
     w2_exceptions: layout.BlockExceptions | None = None
 
     @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.device
-
-    @property
     def w13_k_tiles(self) -> int:
         return self.w13.shape[2]
 
@@ -105,21 +128,13 @@ class NVFP4MoEWeights:
         w2 uint8 [E, H, I/2]; w2_scale float8_e4m3fn [E, H, I/16]; w2_scale_2 float32 [E].
         H and I must be multiples of 16. The inputs are not modified.
         """
-        scale_dtypes = (torch.float8_e4m3fn, torch.uint8)
-        _check(w13, "w13", (torch.uint8,), 3)
-        _check(w2, "w2", (torch.uint8,), 3)
-        _check(w13_scale, "w13_scale", scale_dtypes, 3)
-        _check(w2_scale, "w2_scale", scale_dtypes, 3)
-        E, I, H = _check_shapes(w13, w2, w13_scale_2, w2_scale_2)
-        _shape(w13_scale, "w13_scale", (E, 2 * I, H // 16))
-        _shape(w2_scale, "w2_scale", (E, H, I // 16))
-        _same_device(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+        E, I, H = validate_modelopt(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
         n13, s13, x13 = layout.pack_nvfp4_scales(w13, w13_scale, "w13_scale")
         n2, s2, x2 = layout.pack_nvfp4_scales(w2, w2_scale, "w2_scale")
         return cls(
             w13=layout.pack_e2m1_tiles(n13),
             w13_scale=s13,
-            w13_scale_2=_gate_up_scale_2(w13_scale_2, E),
+            w13_scale_2=gate_up_scale_2(w13_scale_2, E),
             w2=layout.pack_e2m1_tiles(n2),
             w2_scale=s2,
             w2_scale_2=w2_scale_2.reshape(E).contiguous(),
@@ -237,7 +252,8 @@ def _check_shapes(w13, w2, w13_scale_2, w2_scale_2) -> tuple[int, int, int]:
     return E, I, H
 
 
-def _gate_up_scale_2(w13_scale_2: torch.Tensor, E: int) -> torch.Tensor:
+def gate_up_scale_2(w13_scale_2: torch.Tensor, E: int) -> torch.Tensor:
+    """w13's scale_2 as [E, 2] (gate, up): a [E] tensor (one scale for both halves) expanded."""
     if w13_scale_2.dim() == 1:
         w13_scale_2 = w13_scale_2[:, None].expand(E, 2)
     return w13_scale_2.contiguous()

@@ -78,6 +78,23 @@ def measure_fp4_gemm(kind: str, act_quant: str, config, H: int = 3584, I: int = 
     }
 
 
+def compile_route_quant(act_quant: str, arch: int = 100, H: int = 3584, E: int = 896, num_pairs: int = 1024):
+    """Compile the first launch of an FP4-mode call (routing alignment in program 0, the tokens'
+    quantization in the others) for sm<arch>. Returns Triton's CompiledKernel."""
+    _require_compiler()
+    from ..moe_details.routing import SMALL_NUM_WARPS
+    from . import kernels as K
+
+    nv = act_quant == "nvfp4"
+    args = dict(topk_ids_ptr="*i32", sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
+                shift_ptr="*i32", tickets_ptr="*i32", num_pairs=17, num_experts=E, fill_len=273, max_blocks=17,
+                ticket_len=17, x_ptr="*bf16", stride_xm=H, q_ptr="*u8" if nv else "*fp8e4nv",
+                s_ptr="*fp8e4nv" if nv else "*u8", rs_ptr="*fp32", K=H, static_scale=0.01)
+    consts = dict(BLOCK_M=16, P=num_pairs, E_BINS=1 << E.bit_length(), FILL=1024, MODE=0 if nv else 1, STATIC=False,
+                  BLOCK_K=512)
+    return compile_kernel(K.route_quant_kernel, args, consts, arch, SMALL_NUM_WARPS, 1)
+
+
 def mma_summary(compiled) -> dict:
     """What the PTX / TTGIR of a compiled GEMM say about its MMA."""
     ptx = compiled.asm["ptx"]

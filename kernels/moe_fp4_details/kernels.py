@@ -29,8 +29,8 @@ import triton.language as tl
 from ..interpreter import interpret_requested
 from ..moe_details.activation import gated_act
 from ..moe_details.routing_kernels import align_small
-from ..moe_details.skeleton import (block_used, combine_by_last_arrival, k_range, split_k_arrive, split_k_sum,
-                                    tile_index, zero_dropped_tokens)
+from ..moe_details.skeleton import (accumulator, block_program, combine_by_last_arrival, k_range, split_k_arrive,
+                                    split_k_sum, tile_index, zero_dropped_tokens)
 
 MODE_NVFP4 = 0
 MODE_MXFP8 = 1
@@ -303,13 +303,9 @@ def fp4_gemm1_kernel(
               [max_padded, I/16];  MODE 1: MXFP8 -> o E4M3 [max_padded, I], os E8M0 [max_padded, I/32].
     Padding rows are not stored.
     """
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if not block_used(num_padded_ptr, pid_b, BLOCK_M):
+    pid_b, pid_n, pid_k, used, expert, offs_m = block_program(num_padded_ptr, block_expert_ptr, BLOCK_M)
+    if not used:
         return
-    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
-    offs_m = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
     valid = pair < num_pairs
     token = tl.where(valid, pair // top_k, 0)
@@ -325,10 +321,7 @@ def fp4_gemm1_kernel(
         ws_e = ws_ptr + expert * two_i * (H // 16)
     else:
         ws_e = ws_ptr + expert * two_i * (H // 32)
-    if SWAP_AB:
-        acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    acc = accumulator(BLOCK_M, 2 * BLOCK_N, SWAP_AB)
     step_lo, step_hi = k_range(pid_k, H, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
@@ -349,19 +342,35 @@ def fp4_gemm1_kernel(
         g, u = split_k_sum(part, ok_m & ok_n, I, g, u, BLOCK_M, SPLIT_K)
     act = _as_mn(gated_act(g, u, beta, linear_beta, ACT, HAS_LINEAR_BETA), SWAP_AB)
     rows = offs_m.to(tl.int64)[:, None]
-    # I % 64 == 0: every 16- / 32-block of a tile lies wholly before or past I.
-    cq = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    c16 = pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
-    c32 = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
     if OUT_F32:
         tl.store(of_ptr + rows * I + offs_n[None, :], act, mask=valid[:, None] & n_ok[None, :])
-    elif MODE == 0:
-        q, s = _quant_nvfp4(act, inter_scale + tl.zeros((BLOCK_M, 1), dtype=tl.float32), BLOCK_M, BLOCK_N)
+    elif BLOCK_N > 64:  # quantized in two column halves: fewer registers live (128 x 128 MXFP8 spilled)
+        a0, a1 = tl.split(tl.permute(tl.reshape(act, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _store_quantized(a0, pid_n * BLOCK_N, o_ptr, os_ptr, rows, valid, I, inter_scale, MODE, BLOCK_M, BLOCK_N // 2)
+        _store_quantized(a1, pid_n * BLOCK_N + BLOCK_N // 2, o_ptr, os_ptr, rows, valid, I, inter_scale, MODE,
+                         BLOCK_M, BLOCK_N // 2)
+    else:
+        _store_quantized(act, pid_n * BLOCK_N, o_ptr, os_ptr, rows, valid, I, inter_scale, MODE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_quantized(x, c0, o_ptr, os_ptr, rows, valid, I, inter_scale, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     C: tl.constexpr):
+    """Quantize intermediate columns c0 .. c0 + C (x fp32 [BLOCK_M, C]) and store them: MODE 0 NVFP4
+    with the static row scale inter_scale (o packed [rows, I/2], os E4M3 [rows, I/16]), MODE 1
+    MXFP8 (o E4M3 [rows, I], os E8M0 [rows, I/32]). Invalid rows and columns past I are not
+    stored (I % 64 == 0: every 16- / 32-block lies wholly before or past I)."""
+    if MODE == 0:
+        q, s = _quant_nvfp4(x, inter_scale + tl.zeros((BLOCK_M, 1), dtype=tl.float32), BLOCK_M, C)
+        cq = c0 // 2 + tl.arange(0, C // 2)
+        c16 = c0 // 16 + tl.arange(0, C // 16)
         tl.store(o_ptr + rows * (I // 2) + cq[None, :], q, mask=valid[:, None] & (cq < I // 2)[None, :])
         tl.store(os_ptr + rows * (I // 16) + c16[None, :], s, mask=valid[:, None] & (c16 < I // 16)[None, :])
     else:
-        q, s = _quant_mxfp8(act, BLOCK_M, BLOCK_N)
-        tl.store(o_ptr + rows * I + offs_n[None, :], q, mask=valid[:, None] & n_ok[None, :])
+        q, s = _quant_mxfp8(x, BLOCK_M, C)
+        cols = c0 + tl.arange(0, C)
+        c32 = c0 // 32 + tl.arange(0, C // 32)
+        tl.store(o_ptr + rows * I + cols[None, :], q, mask=valid[:, None] & (cols < I)[None, :])
         tl.store(os_ptr + rows * (I // 32) + c32[None, :], s, mask=valid[:, None] & (c32 < I // 32)[None, :])
 
 
@@ -383,15 +392,11 @@ def fp4_gemm2_kernel(
     skeleton's combine_by_last_arrival: x routing weight, the top-k sum (in slot order through buf
     fp32 [SPLIT_K, M*k, H], or ATOMIC: fp32 adds into buf [M, H], zeroed by the caller), x scale,
     cast: out [M, H] in its dtype."""
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    if not block_used(num_padded_ptr, pid_b, BLOCK_M):
+    pid_b, pid_n, pid_k, used, expert, offs_m = block_program(num_padded_ptr, block_expert_ptr, BLOCK_M)
+    if not used:
         zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
                             num_pairs, top_k, num_experts, H, BLOCK_M, BLOCK_N)
         return
-    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
-    offs_m = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     w_rows = tl.minimum(offs_n, H - 1)  # a tile past H re-reads row H - 1 (never stored)
     w_e = w_ptr + expert * H * (I // 2)
@@ -399,10 +404,7 @@ def fp4_gemm2_kernel(
         ws_e = ws_ptr + expert * H * (I // 16)
     else:
         ws_e = ws_ptr + expert * H * (I // 32)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
     step_lo, step_hi = k_range(pid_k, I, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import formats
-from ..moe_details.weights import NVFP4MoEWeights
+from ..moe_details.weights import ExpertWeights, NVFP4MoEWeights, gate_up_scale_2, validate_modelopt
 
 
 class E8M0RecoveryError(ValueError):
@@ -71,7 +71,7 @@ def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
 
 
 @dataclass(frozen=True)
-class FP4MMAWeights:
+class FP4MMAWeights(ExpertWeights):
     """Routed-expert weights of one layer for the block-scaled MMA kernels.
 
       w13          uint8 [E, 2I, H/2]     gate (w1) rows then up (w3) rows, E2M1 nibbles
@@ -96,14 +96,6 @@ class FP4MMAWeights:
     hidden_size: int
     intermediate_size: int
 
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.device
-
     @classmethod
     def from_nvfp4(cls, weights: NVFP4MoEWeights, *, mxfp8: bool = True) -> "FP4MMAWeights":
         """From the W4A16 weights (bit-exact ModelOpt tensors via to_modelopt()). mxfp8=True also
@@ -127,22 +119,12 @@ class FP4MMAWeights:
         """SGLang's ModelOpt NVFP4 MoE tensors (shapes as NVFP4MoEWeights.from_modelopt; scales
         float8_e4m3fn or their uint8 bits, w13_scale_2 [E, 2] or [E]). Validated through
         NVFP4MoEWeights' checks; the inputs are not modified."""
-        # Reuse the W4A16 validation (names the tensor on bad input) without building its layout.
-        from ..moe_details import weights as w4a16
-
-        for t, name in ((w13, "w13"), (w2, "w2")):
-            w4a16._check(t, name, (torch.uint8,), 3)
-        for t, name in ((w13_scale, "w13_scale"), (w2_scale, "w2_scale")):
-            w4a16._check(t, name, (torch.float8_e4m3fn, torch.uint8), 3)
-        E, I, H = w4a16._check_shapes(w13, w2, w13_scale_2, w2_scale_2)
-        w4a16._shape(w13_scale, "w13_scale", (E, 2 * I, H // 16))
-        w4a16._shape(w2_scale, "w2_scale", (E, H, I // 16))
-        w4a16._same_device(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+        E, I, H = validate_modelopt(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
         if H % 64 or I % 64:
             raise ValueError(f"FP4MMAWeights: H = {H} and I = {I} must be multiples of 64 for the FP4 MMA kernels")
         w13_scale = w13_scale.view(torch.float8_e4m3fn) if w13_scale.dtype == torch.uint8 else w13_scale
         w2_scale = w2_scale.view(torch.float8_e4m3fn) if w2_scale.dtype == torch.uint8 else w2_scale
-        s13 = w4a16._gate_up_scale_2(w13_scale_2, E).float()
+        s13 = gate_up_scale_2(w13_scale_2, E).float()
         s2 = w2_scale_2.reshape(E).float().contiguous()
         e13 = e2 = None
         if mxfp8:
