@@ -18,9 +18,13 @@ model on the H200; the marlin model is checked against published H200 timings.
   python -P bench/sass_report.py --devices H200 --shards tp16 --m-list 1 --no-peers --out /tmp/r.json
   python -P bench/sass_report.py --baseline 25a9584 --out bench/results/perf-model-before.json
 
+On B200 also the FP4 tensor-core modes (bench/fp4_modes_model.py): before / after issue 18 and
+next to FlashInfer's published K3 TP8 times.
+
 Writes bench/results/perf-model.json and prints Markdown. Exit 1 when a config of ours cannot
 launch, spills, or misses the loop budget (perf_model.loop_budget) outside the known exceptions
-listed in KNOWN_MISSES.
+listed in KNOWN_MISSES, or an FP4 mode's row misses its target (launchable, no spill, <= 4
+launches at M <= 64, at most FlashInfer's published time).
 """
 
 from __future__ import annotations
@@ -326,9 +330,13 @@ def markdown(result: dict) -> str:
                   + ("every published point." if ok else
                      f"{sum(p['within_1_5x'] for p in v)} of {len(v)} published points: its absolute times are "
                      "NOT performance claims (see bench/README.md, 'What the model misses').")]
+    if result.get("b200"):
+        import fp4_modes_model as b200
+
+        lines += ["", *b200.markdown(result["b200"]["fp4"], result["b200"]["w4a16"])]
     if result.get("fp4_modes"):
-        lines += ["", "FP4 tensor-core modes (`fused_moe_nvfp4(act_quant=...)`), sm_100, K3 TP16 shapes "
-                  "(`k3nvfp4.kernels.moe_fp4_details.compile_fp4`; not yet in the model, issue 18):", "",
+        lines += ["", "FP4 tensor-core modes (`fused_moe_nvfp4(act_quant=...)`), sm_100, K3 TP16 shapes: the MMA "
+                  "each GEMM compiles to (`k3nvfp4.kernels.moe_fp4_details.compile_fp4`):", "",
                   "| kernel | tcgen05.mma | kind | block scale | wgmma / mma.sync | regs | spill B | native |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in result["fp4_modes"]:
@@ -476,6 +484,12 @@ def main(argv=None) -> int:
     result["floor"] = floor_rows(result)
     if "B200" in devices and not args.baseline:
         result["fp4_modes"] = fp4_mode_rows(100)
+        sys.path.insert(0, str(REPO / "bench"))
+        import fp4_modes_model as b200
+
+        result["b200"] = {"fp4": b200.fp4_rows(statics.errors), "w4a16": b200.w4a16_rows(our_rows, statics),
+                          "flashinfer_published_tp8_us": b200.FLASHINFER_B200_TP8_US,
+                          "before_commit": b200.BEFORE_COMMIT}
     out = pathlib.Path(args.out) if args.out else REPO / "bench" / "results" / "perf-model.json"
     write_json_atomic(out, result, indent=1)
     md = markdown(result)
@@ -484,7 +498,8 @@ def main(argv=None) -> int:
     if args.write_readme:
         write_readme(md, REPO / "bench" / "README.md")
         print("updated bench/README.md")
-    fp4_ok = all(r.get("native") for r in result.get("fp4_modes", []))
+    fp4_ok = (all(r.get("native") for r in result.get("fp4_modes", []))
+              and all(r.get("ok") for r in result.get("b200", {}).get("fp4", [])))
     return 1 if statics.errors or not fp4_ok or not all(r.get("ok") for r in rows) else 0
 
 
