@@ -137,6 +137,8 @@ def fused_moe_fp4(
     k = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate_size
     dtype = hidden_states.dtype
+    if num_global_experts is not None and num_global_experts < E:
+        raise ValueError(f"fused_moe_fp4: num_global_experts={num_global_experts} is below the weights' {E} local experts")
     if out is None:
         out = torch.empty(M, H, dtype=dtype, device=device)
     if M == 0:

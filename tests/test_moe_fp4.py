@@ -235,6 +235,11 @@ def test_nvfp4_static_input_scale_and_dynamic_intermediate():
         fused_moe_fp4(x, f, tw, ids, act_quant="mxfp8", input_scale=1.0)
     with pytest.raises(ValueError, match="act_quant"):
         fused_moe_fp4(x, f, tw, ids, act_quant="fp8")
+    with pytest.raises(ValueError, match="num_global_experts=2 is below the weights' 3 local experts"):
+        fused_moe_fp4(x, f, tw, ids, act_quant="mxfp8", num_global_experts=2)
+    # under EP the heuristic sizes the call for the local share of the pairs: it still runs
+    ep = fused_moe_fp4(x, f, tw, ids, act_quant="nvfp4", num_global_experts=48)
+    assert float((ep - fused_moe_fp4_reference(x, f, tw, ids)).abs().max()) <= 1e-6 * float(ep.abs().max())
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="the kernels' own decomposition runs only in the interpreter")

@@ -29,8 +29,8 @@ import triton.language as tl
 from .fp4 import decode_scale_words, dequant_e2m1_words, tile_e2m1_bf16
 from .activation import gated_act
 from .layout import ACC_SCALE
-from .skeleton import (accumulator, block_program, combine_by_last_arrival, k_range, split_k_arrive, split_k_sum,
-                       tile_index, zero_dropped_tokens)
+from .skeleton import (accumulator, block_program, block_rows, combine_by_last_arrival, k_range, split_k_arrive,
+                       split_k_sum, tile_index, zero_dropped_tokens)
 
 _ACC_SCALE = tl.constexpr(ACC_SCALE)
 
@@ -170,9 +170,10 @@ def gemm1_gated_kernel(
     SPLIT_K > 1: the skeleton's split-K (fp32 partials part [SPLIT_K, max_padded, 2I], counters
     tickets[block, column tile]); the last slice applies the activation.
     """
-    pid_b, pid_n, pid_k, used, expert, offs_m = block_program(num_padded_ptr, block_expert_ptr, BLOCK_M)
+    pid_b, pid_n, pid_k, used = block_program(num_padded_ptr, BLOCK_M)
     if not used:
         return
+    expert, offs_m = block_rows(block_expert_ptr, pid_b, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
     token = tl.minimum(pair // top_k, num_pairs // top_k - 1)  # padding rows: any valid row
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -227,11 +228,12 @@ def gemm2_combine_kernel(
     """GEMM2 (intermediate [max_padded, I] x w2^T) x scale_2 x routing weight, the top-k sum,
     x scale, cast: out [M, H] in its dtype, in this one launch (the skeleton's
     combine_by_last_arrival; buf: fp32 [SPLIT_K, M*k, H], or [M, H] zeroed when ATOMIC)."""
-    pid_b, pid_n, pid_k, used, expert, offs_m = block_program(num_padded_ptr, block_expert_ptr, BLOCK_M)
+    pid_b, pid_n, pid_k, used = block_program(num_padded_ptr, BLOCK_M)
     if not used:
         zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
                             num_pairs, top_k, num_experts, H, BLOCK_M, BLOCK_N)
         return
+    expert, offs_m = block_rows(block_expert_ptr, pid_b, BLOCK_M)
     rt = _row_tiles(expert * (H // 16) + pid_n * (BLOCK_N // 16), (expert + 1) * (H // 16), BLOCK_N)
 
     acc = accumulator(BLOCK_M, BLOCK_N, SWAP_AB)

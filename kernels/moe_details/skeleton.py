@@ -34,15 +34,18 @@ def tile_index(offs_m, offs_n, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def block_program(num_padded_ptr, block_expert_ptr, BLOCK_M: tl.constexpr):
-    """This program's (row block, column tile, K slice) ids; whether its row block holds routed
-    rows (blocks past num_padded exit at once: the grid is the worst case); the block's expert
-    (int64) and its rows in the sorted order (int64 [BLOCK_M])."""
+def block_program(num_padded_ptr, BLOCK_M: tl.constexpr):
+    """This program's (row block, column tile, K slice) ids, and whether its row block holds
+    routed rows (blocks past num_padded exit at once: the grid is the worst case)."""
     pid_b = tl.program_id(0)
-    used = pid_b * BLOCK_M < tl.load(num_padded_ptr)
-    expert = tl.load(block_expert_ptr + pid_b, mask=used, other=0).to(tl.int64)
-    offs_m = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    return pid_b, tl.program_id(1), tl.program_id(2), used, expert, offs_m
+    return pid_b, tl.program_id(1), tl.program_id(2), pid_b * BLOCK_M < tl.load(num_padded_ptr)
+
+
+@triton.jit
+def block_rows(block_expert_ptr, pid_b, BLOCK_M: tl.constexpr):
+    """A used row block's expert (int64) and its rows in the sorted order (int64 [BLOCK_M])."""
+    expert = tl.load(block_expert_ptr + pid_b).to(tl.int64)
+    return expert, (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
 
 
 @triton.jit

@@ -29,8 +29,8 @@ import triton.language as tl
 from ..interpreter import interpret_requested
 from ..moe_details.activation import gated_act
 from ..moe_details.routing_kernels import align_small
-from ..moe_details.skeleton import (accumulator, block_program, combine_by_last_arrival, k_range, split_k_arrive,
-                                    split_k_sum, tile_index, zero_dropped_tokens)
+from ..moe_details.skeleton import (accumulator, block_program, block_rows, combine_by_last_arrival, k_range,
+                                    split_k_arrive, split_k_sum, tile_index, zero_dropped_tokens)
 
 MODE_NVFP4 = 0
 MODE_MXFP8 = 1
@@ -303,9 +303,10 @@ def fp4_gemm1_kernel(
               [max_padded, I/16];  MODE 1: MXFP8 -> o E4M3 [max_padded, I], os E8M0 [max_padded, I/32].
     Padding rows are not stored.
     """
-    pid_b, pid_n, pid_k, used, expert, offs_m = block_program(num_padded_ptr, block_expert_ptr, BLOCK_M)
+    pid_b, pid_n, pid_k, used = block_program(num_padded_ptr, BLOCK_M)
     if not used:
         return
+    expert, offs_m = block_rows(block_expert_ptr, pid_b, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
     valid = pair < num_pairs
     token = tl.where(valid, pair // top_k, 0)
@@ -392,11 +393,12 @@ def fp4_gemm2_kernel(
     skeleton's combine_by_last_arrival: x routing weight, the top-k sum (in slot order through buf
     fp32 [SPLIT_K, M*k, H], or ATOMIC: fp32 adds into buf [M, H], zeroed by the caller), x scale,
     cast: out [M, H] in its dtype."""
-    pid_b, pid_n, pid_k, used, expert, offs_m = block_program(num_padded_ptr, block_expert_ptr, BLOCK_M)
+    pid_b, pid_n, pid_k, used = block_program(num_padded_ptr, BLOCK_M)
     if not used:
         zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
                             num_pairs, top_k, num_experts, H, BLOCK_M, BLOCK_N)
         return
+    expert, offs_m = block_rows(block_expert_ptr, pid_b, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     w_rows = tl.minimum(offs_n, H - 1)  # a tile past H re-reads row H - 1 (never stored)
     w_e = w_ptr + expert * H * (I // 2)
