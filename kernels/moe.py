@@ -41,6 +41,7 @@ from .moe_details import kernels as _k
 from .moe_details.activation import ACT_SILU, ACT_SITU
 from .moe_details.config import MoEConfig, get_moe_config
 from .moe_details.routing import align_routing_triton, max_padded_blocks
+from .moe_details.skeleton import arrival_counters, split_k_partials, top_k_buffer
 from .moe_details.validate import validate_moe_inputs
 from .moe_details.weights import NVFP4MoEWeights
 from .moe_reference import fused_moe_nvfp4_reference
@@ -139,11 +140,7 @@ def fused_moe_nvfp4(
     num_pairs = M * k
     tiles1, tiles2 = _cdiv(I, config.block_n1), _cdiv(H, config.block_n2)
     max_blocks = max_padded_blocks(num_pairs, E, config.block_m)
-    # Arrival counters, zeroed by the routing launch: GEMM1's per (block, column tile) when it is
-    # split over K (offset rounded to 128 bytes), then GEMM2's per (token, column tile).
-    n_t1 = _cdiv(max_blocks * tiles1, 32) * 32 if config.split_k1 > 1 else 0
-    tickets = torch.empty(n_t1 + M * tiles2, dtype=torch.int32, device=device)
-    tickets1, tickets2 = tickets[:n_t1] if n_t1 else tickets, tickets[n_t1:]
+    tickets, tickets1, tickets2 = arrival_counters(max_blocks, tiles1, config.split_k1, M, tiles2, device)
 
     routing = align_routing_triton(topk_ids, E, config.block_m, tickets)
     max_padded = routing.max_padded
@@ -151,10 +148,7 @@ def fused_moe_nvfp4(
 
     # GEMM1 (+ activation) -> intermediate [max_padded, I] in the activation dtype.
     inter = torch.empty(max_padded, I, dtype=dtype, device=device)
-    if config.split_k1 > 1:
-        part = torch.empty(config.split_k1, max_padded, 2 * I, dtype=torch.float32, device=device)
-    else:
-        part = inter  # not read
+    part = split_k_partials(config.split_k1, max_padded, I, inter)
     _k.gemm1_gated_kernel[(max_blocks, tiles1, config.split_k1)](
         hidden_states, hidden_states.stride(0), hidden_states.stride(1),
         weights.w13, weights.w13_scale, weights.w13_scale_2, weights.w13_k_tiles,
@@ -171,10 +165,7 @@ def fused_moe_nvfp4(
     )
 
     # GEMM2 x scale_2 x routing weight, summed over top-k, x routed_scaling_factor, cast: out.
-    if config.atomic_reduce:
-        buf = torch.zeros(M, H, dtype=torch.float32, device=device)
-    else:  # rows of dropped pairs are never written and never read
-        buf = torch.empty(config.split_k2, num_pairs, H, dtype=torch.float32, device=device)
+    buf = top_k_buffer(config.atomic_reduce, config.split_k2, M, num_pairs, H, device)
     if out is None:
         out = torch.empty(M, H, dtype=dtype, device=device)
     _k.gemm2_combine_kernel[(max_blocks, tiles2, config.split_k2)](

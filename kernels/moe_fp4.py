@@ -39,6 +39,7 @@ import triton
 from .interpreter import interpret_requested
 from .moe_details.activation import ACT_SILU, ACT_SITU
 from .moe_details.routing import SMALL_NUM_WARPS, align_routing_triton, max_padded_blocks, small_routing_launch
+from .moe_details.skeleton import arrival_counters, split_k_partials, top_k_buffer
 from .moe_details.validate import ACT_DTYPES
 from .moe_details.weights import NVFP4MoEWeights
 from .moe_fp4_details import kernels as _k
@@ -138,7 +139,8 @@ def fused_moe_fp4(
     E, I = weights.num_experts, weights.intermediate_size
     dtype = hidden_states.dtype
     if num_global_experts is not None and num_global_experts < E:
-        raise ValueError(f"fused_moe_fp4: num_global_experts={num_global_experts} is below the weights' {E} local experts")
+        raise ValueError(f"fused_moe_fp4: num_global_experts={num_global_experts} is below the weights' "
+                         f"{E} local experts")
     if out is None:
         out = torch.empty(M, H, dtype=dtype, device=device)
     if M == 0:
@@ -153,12 +155,8 @@ def fused_moe_fp4(
     tiles1, tiles2 = triton.cdiv(I, cfg.block_n1), triton.cdiv(H, cfg.block_n2)
     num_pairs = M * k
 
-    # Arrival counters, zeroed by the routing launch: GEMM1's per (block, column tile) when it is
-    # split over K (offset rounded to 128 bytes), then GEMM2's per (token, column tile).
     max_blocks = max_padded_blocks(num_pairs, E, cfg.block_m)
-    n_t1 = triton.cdiv(max_blocks * tiles1, 32) * 32 if cfg.split_k1 > 1 else 0
-    tickets = torch.empty(n_t1 + M * tiles2, dtype=torch.int32, device=device)
-    tickets1, tickets2 = tickets[:n_t1] if n_t1 else tickets, tickets[n_t1:]
+    tickets, tickets1, tickets2 = arrival_counters(max_blocks, tiles1, cfg.split_k1, M, tiles2, device)
 
     # 1. Routing alignment + each token quantized once (reused by all its k experts).
     aq, asc, ars = _quant_buffers(mode, M, H, device)
@@ -179,7 +177,7 @@ def fused_moe_fp4(
     iq, isc, irs = _quant_buffers(mode, P, I, device)
     out_f32 = mode == _k.MODE_NVFP4 and not static_inter
     inter_f32 = torch.empty(P, I, dtype=torch.float32, device=device) if out_f32 else iq
-    part = torch.empty(cfg.split_k1, P, 2 * I, dtype=torch.float32, device=device) if cfg.split_k1 > 1 else inter_f32
+    part = split_k_partials(cfg.split_k1, P, I, inter_f32)
     w13_s = weights.w13_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w13_e8m0, "w13")
     has_lb = activation == "situ" and situ_linear_beta is not None
     _k.fp4_gemm1_kernel[(max_blocks, tiles1, cfg.split_k1)](
@@ -198,10 +196,7 @@ def fused_moe_fp4(
 
     # 3. GEMM2 x routing weight, the top-k sum by each token's last arrival, the cast: out.
     atomic = cfg.atomic_reduce and not deterministic
-    if atomic:
-        buf = torch.zeros(M, H, dtype=torch.float32, device=device)
-    else:  # rows of dropped pairs are never written and never read
-        buf = torch.empty(cfg.split_k2, num_pairs, H, dtype=torch.float32, device=device)
+    buf = top_k_buffer(atomic, cfg.split_k2, M, num_pairs, H, device)
     w2_s = weights.w2_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w2_e8m0, "w2")
     _k.fp4_gemm2_kernel[(max_blocks, tiles2, cfg.split_k2)](
         iq, isc, irs, weights.w2, w2_s, weights.w2_scale_2,

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "Assumptions", "B200", "CallPrediction", "DEVICES", "Device", "H200", "K3_SHARDS", "KernelPrediction",
-    "LoopCost", "fp4_call", "fp4_gemm", "RoutingEstimate", "Shard", "expected_routing", "loop_budget", "occupancy", "our_call",
-    "our_gemm", "predict_kernel",
+    "LoopCost", "RoutingEstimate", "Shard", "expected_routing", "fp4_call", "fp4_gemm", "loop_budget", "occupancy",
+    "our_call", "our_gemm", "predict_kernel",
 ]
 
 
@@ -423,6 +423,31 @@ def _padded_k(k: int) -> int:
     return -(-k // TILE_K) * TILE_K
 
 
+def _skeleton_traffic(gemm1: bool, split: int, atomic: bool, shard: Shard, M: int, routing: RoutingEstimate,
+                      rows_used: float) -> tuple[float, int]:
+    """(bytes, dependent L2 round trips) of the MoE skeleton's epilogues (moe_details/skeleton.py),
+    the same for both kernel families: GEMM1's split-K partials over its rows_used (padded) rows,
+    GEMM2's top-k sum."""
+    H, I = shard.hidden, shard.intermediate
+    if gemm1:
+        if split == 1:
+            return 0.0, 0
+        return 2 * split * rows_used * 2 * I * 4, 2  # fp32 partials, stored and read back
+    if atomic:
+        return 2 * M * H * 4 + routing.local_pairs * H * 4, 2  # memset, atomics, final read
+    return 2 * split * routing.local_pairs * H * 4, 2  # fp32 rows, stored and summed; counter, then rows
+
+
+def _routing_launches(shard: Shard, M: int, assumptions: Assumptions) -> tuple[int, float]:
+    """(launches, seconds) of the routing alignment: one program up to routing_kernels'
+    SMALL_MAX_PAIRS pairs, else 3 kernels + a memset."""
+    from .moe_details.routing_kernels import small_routing
+
+    if small_routing(M * shard.top_k, shard.local_experts):
+        return 1, assumptions.routing_small_s
+    return 4, assumptions.routing_large_s
+
+
 def our_gemm(device: Device, shard: Shard, M: int, launch, cost: LoopCost, routing: RoutingEstimate,
              assumptions: Assumptions = DEFAULT_ASSUMPTIONS, fmt=None) -> KernelPrediction:
     """GEMM1 or GEMM2 of fused_moe_nvfp4 under the model. launch: a GemmLaunch (MoEConfig.gemm);
@@ -445,19 +470,9 @@ def our_gemm(device: Device, shard: Shard, M: int, launch, cost: LoopCost, routi
     passes = blocks * useful_rows * K
     weight_bytes = routing.active_experts * useful_rows * _padded_k(K) * bpw
     rows_used = blocks * launch.block_m
-    tokens_in = min(M, routing.local_pairs)
-    if gemm1:
-        other = tokens_in * H * 2 + rows_used * I * 2  # x in, intermediate out (bf16)
-        if launch.split_k > 1:
-            other += 2 * launch.split_k * rows_used * 2 * I * 4  # fp32 partials, stored and read back
-        trips = 2 if launch.split_k > 1 else 0
-    else:
-        other = rows_used * I * 2 + M * H * 2  # intermediate in, output out
-        if launch.atomic_reduce:
-            other += 2 * M * H * 4 + routing.local_pairs * H * 4  # memset, atomics, final read
-        else:
-            other += 2 * launch.split_k * routing.local_pairs * H * 4  # fp32 rows, stored and summed
-        trips = 2  # arrival counter, then the token's rows
+    # x in and the intermediate out (GEMM1), the intermediate in and the output out (GEMM2): bf16
+    other, trips = _skeleton_traffic(gemm1, launch.split_k, launch.atomic_reduce, shard, M, routing, rows_used)
+    other += (min(M, routing.local_pairs) * H + rows_used * I) * 2 if gemm1 else (rows_used * I + M * H) * 2
     tokens_mma = launch.block_m if launch.swap_ab else max(launch.block_m, 64)
     iterations_total = blocks * n_tiles * k_steps
     processed = iterations_total * rows_tile * launch.block_k
@@ -475,16 +490,12 @@ def our_call(device: Device, shard: Shard, M: int, config, costs: dict, assumpti
              fmt=None) -> CallPrediction:
     """fused_moe_nvfp4 at one MoEConfig: routing + GEMM1 + GEMM2. costs: {"gemm1": LoopCost, "gemm2": LoopCost};
     fmt: the weights' layout.ScaleFormat (None: E5M3_16)."""
-    from .moe_details.routing_kernels import SMALL_MAX_BINS, SMALL_MAX_PAIRS
-
     routing = expected_routing(shard, M, config.block_m)
     kernels = [our_gemm(device, shard, M, config.gemm(kind), costs[kind], routing, assumptions, fmt)
                for kind in ("gemm1", "gemm2")]
-    a = assumptions
-    small = M * shard.top_k <= SMALL_MAX_PAIRS and shard.local_experts < SMALL_MAX_BINS
-    routing_launches = 1 if small else 4  # 3 kernels + a memset
+    routing_launches, routing_s = _routing_launches(shard, M, assumptions)
     launches = routing_launches + (1 if config.atomic_reduce else 0)
-    fixed = (a.routing_small_s if small else a.routing_large_s) + launches * a.launch_s
+    fixed = routing_s + launches * assumptions.launch_s
     name = "k3nvfp4" if fmt is None or fmt.block == 16 else "k3nvfp4 mxfp4"
     return CallPrediction(name, device.name, shard.name, M, kernels, routing, fixed, launches)
 
@@ -517,18 +528,13 @@ def fp4_gemm(device: Device, shard: Shard, M: int, config, kind: str, cost: Loop
     iters = -(-k_steps // split)
     blocks = routing.blocks
     rows_used = blocks * config.block_m
+    # quantized x in and the quantized intermediate out (GEMM1), the intermediate in and the bf16
+    # output out (GEMM2)
+    other, trips = _skeleton_traffic(gemm1, split, config.atomic_reduce, shard, M, routing, rows_used)
     if gemm1:
-        other = min(M, routing.local_pairs) * H * abytes + rows_used * I * abytes
-        if split > 1:
-            other += 2 * split * rows_used * 2 * I * 4  # fp32 partials, stored and read back
-        trips = 2 if split > 1 else 0
+        other += min(M, routing.local_pairs) * H * abytes + rows_used * I * abytes
     else:
-        other = rows_used * I * abytes + M * H * 2
-        if config.atomic_reduce:
-            other += 2 * M * H * 4 + routing.local_pairs * H * 4  # memset, atomics, final read
-        else:
-            other += 2 * split * routing.local_pairs * H * 4  # fp32 rows, stored and summed
-        trips = 2  # arrival counter, then the token's rows
+        other += rows_used * I * abytes + M * H * 2
     iterations_total = blocks * n_tiles * k_steps
     processed = iterations_total * rows_tile * block_k
     return predict_kernel(
@@ -544,23 +550,18 @@ def fp4_gemm(device: Device, shard: Shard, M: int, config, kind: str, cost: Loop
 
 
 def fp4_call(device: Device, shard: Shard, M: int, config, costs: dict, act_quant: str,
-             assumptions: Assumptions = DEFAULT_ASSUMPTIONS, static_intermediate: bool = True) -> CallPrediction:
-    """fused_moe_fp4 at one FP4MoEConfig: routing + activation quantization (one launch up to
-    1024 pairs), GEMM1, [the dynamic NVFP4 intermediate's row quantization], GEMM2 with the top-k
-    sum. costs: {"gemm1": LoopCost, "gemm2": LoopCost} (moe_fp4_details.costs)."""
-    from .moe_details.routing_kernels import SMALL_MAX_BINS, SMALL_MAX_PAIRS
-
+             assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> CallPrediction:
+    """fused_moe_fp4 at one FP4MoEConfig (static NVFP4 intermediate scale, or MXFP8): routing +
+    activation quantization (one launch up to 1024 pairs), GEMM1, GEMM2 with the top-k sum.
+    costs: {"gemm1": LoopCost, "gemm2": LoopCost} (moe_fp4_details.costs)."""
     routing = expected_routing(shard, M, config.block_m)
     kernels = [fp4_gemm(device, shard, M, config, kind, costs[kind], routing, act_quant, assumptions)
                for kind in ("gemm1", "gemm2")]
-    a = assumptions
-    small = M * shard.top_k <= SMALL_MAX_PAIRS and shard.local_experts < SMALL_MAX_BINS
-    launches = 1 if small else 5  # fused routing + quantization; else 3 kernels + a memset + quantization
+    routing_launches, routing_s = _routing_launches(shard, M, assumptions)
+    # The quantization shares the one-program routing's launch; next to the 3-kernel one it is its own.
+    launches = routing_launches + (0 if routing_launches == 1 else 1)
     launches += 1 if config.atomic_reduce else 0  # the memset of the atomic top-k sum
     # Quantization streams x once (read 2 B, write the quantized row) at the copy bandwidth.
     quant_s = M * shard.hidden * (2 + FP4_MODE_ACT_BYTES[act_quant]) / device.hbm_copy_bytes_per_s
-    fixed = (a.routing_small_s if small else a.routing_large_s) + quant_s + launches * a.launch_s
-    if act_quant == "nvfp4" and not static_intermediate:
-        launches += 1
-        fixed += a.launch_s + a.hbm_latency_s
+    fixed = routing_s + quant_s + launches * assumptions.launch_s
     return CallPrediction(f"k3nvfp4 {act_quant}", device.name, shard.name, M, kernels, routing, fixed, launches)

@@ -104,22 +104,31 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     return compile_kernel(fn, args, consts, arch, g.num_warps, g.num_stages)
 
 
+def loop_statics(compiled, num_warps: int):
+    """(perf_model.LoopCost, sass.LoopStats) of a compiled GEMM (the cubin's function whose name
+    holds "gemm"): its hot K loop's instructions per warp and iteration, registers, spill bytes and
+    the shared memory the launch requests (Triton's metadata.shared: what it checks against the
+    device at launch)."""
+    from .. import sass
+    from ..perf_model import LoopCost
+
+    cubin = compiled.asm["cubin"]
+    funcs = sass.disassemble(cubin)
+    name = next(n for n in funcs if "gemm" in n)
+    ru = sass.resource_usage(cubin)[name]
+    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+    return LoopCost(st.instructions, num_warps, ru.registers, compiled.metadata.shared, ru.local_bytes), st
+
+
 def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, scale_fmt: int = 0) -> dict:
     """Compile one GEMM of a MoEConfig for sm<arch> and measure it statically: the hot K loop's
     instructions per warp and iteration (k3nvfp4.kernels.sass), registers, spill bytes and the
     shared memory the launch requests (Triton's metadata.shared: what it checks against the
     device at launch). Returns a dict with "loop_cost" (perf_model.LoopCost) and the details."""
     from .. import sass
-    from ..perf_model import LoopCost
 
     g = config.gemm(kind)
-    c = compile_gemm(kind, config, H, I, top_k, arch, scale_fmt=scale_fmt)
-    cubin = c.asm["cubin"]
-    funcs = sass.disassemble(cubin)
-    name = next(n for n in funcs if "gemm" in n)
-    ru = sass.resource_usage(cubin)[name]
-    st = sass.loop_stats(sass.hot_loop(funcs[name]))
-    cost = LoopCost(st.instructions, g.num_warps, ru.registers, c.metadata.shared, ru.local_bytes)
+    cost, st = loop_statics(compile_gemm(kind, config, H, I, top_k, arch, scale_fmt=scale_fmt), g.num_warps)
     return {
         "loop_cost": cost,
         "instructions_per_iteration": st.instructions,
@@ -127,9 +136,9 @@ def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
         "num_warps": g.num_warps,
         "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, g.num_warps,
                                                                   g.weights_per_iteration), 4),
-        "registers": ru.registers,
-        "local_bytes": ru.local_bytes,
-        "shared_bytes": c.metadata.shared,
+        "registers": cost.registers,
+        "local_bytes": cost.local_bytes,
+        "shared_bytes": cost.shared_bytes,
         "mma_per_iteration": st.mma,
         "local_memory_ops_in_loop": st.local_memory_ops,
         "family_mix": st.family_mix,

@@ -102,28 +102,26 @@ def align_routing_triton(
         routing, args, consts = small
         rk.align_small_kernel[(1,)](*args, **consts, num_warps=SMALL_NUM_WARPS)
         return routing
-    routing, ids, tickets = _routing_buffers(topk_ids, num_experts, block_m, tickets)
-    device, E, num_pairs = ids.device, num_experts, routing.num_pairs
-    sorted_pair_ids, block_expert_ids, num_padded = routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded
-    max_blocks, fill = routing.max_blocks, routing.max_padded + 1
+    r, ids, tickets = _routing_buffers(topk_ids, num_experts, block_m, tickets)
+    device, E, num_pairs, fill = ids.device, num_experts, r.num_pairs, r.max_padded + 1
 
     counts = torch.zeros(E, dtype=torch.int32, device=device)
     rank = torch.empty(max(num_pairs, 1), dtype=torch.int32, device=device)
     padded_start = torch.empty(E, dtype=torch.int32, device=device)
     block = 256
     rk.count_and_rank_kernel[(-(-max(num_pairs, fill, tickets.numel()) // block),)](
-        ids, counts, rank, sorted_pair_ids, tickets, num_pairs, E, fill, tickets.numel(), BLOCK=block
+        ids, counts, rank, r.sorted_pair_ids, tickets, num_pairs, E, fill, tickets.numel(), BLOCK=block
     )
     e_pow2 = _next_pow2(max(E, 2))
     rk.block_offsets_kernel[(1,)](
-        counts, padded_start, block_expert_ids, num_padded, E, max_blocks,
+        counts, padded_start, r.block_expert_ids, r.num_padded, E, r.max_blocks,
         BLOCK_M=block_m, E_POW2=e_pow2, BLOCKS_PER_STEP=max(1, min(64, 16384 // e_pow2)),
         num_warps=4,
     )
     rk.scatter_pairs_kernel[(-(-num_pairs // block),)](
-        ids, rank, padded_start, sorted_pair_ids, num_pairs, E, BLOCK=block
+        ids, rank, padded_start, r.sorted_pair_ids, num_pairs, E, BLOCK=block
     )
-    return routing
+    return r
 
 
 SMALL_NUM_WARPS = 8  # warps of the one-program alignment (its sort and histogram)
@@ -157,7 +155,7 @@ def small_routing_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     from . import routing_kernels as rk
 
     num_pairs = topk_ids.numel()
-    if num_pairs > rk.SMALL_MAX_PAIRS or num_experts >= rk.SMALL_MAX_BINS:
+    if not rk.small_routing(num_pairs, num_experts):
         return None
     routing, ids, tickets = _routing_buffers(topk_ids, num_experts, block_m, tickets)
     bins = max(16, _next_pow2(num_experts + 1))

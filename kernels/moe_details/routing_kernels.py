@@ -27,6 +27,11 @@ SMALL_MAX_PAIRS = 1024
 SMALL_MAX_BINS = 1024
 
 
+def small_routing(num_pairs: int, num_experts: int) -> bool:
+    """Whether align_small (one program) serves a call of num_pairs pairs over num_experts."""
+    return num_pairs <= SMALL_MAX_PAIRS and num_experts < SMALL_MAX_BINS
+
+
 @triton.jit
 def align_small_kernel(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shift_ptr,
                        tickets_ptr, num_pairs, num_experts, fill_len, max_blocks, ticket_len,

@@ -14,11 +14,13 @@ and what GEMM1's epilogue stores; everything around the K loop lives here:
 
 Counters are int32 buffers zeroed by the routing launch earlier on the stream. Accumulators are
 [BN, BM] with swap-AB (weights on the MMA M side) and [BM, BN] otherwise; tile_index gives the
-matching row and column index tensors.
+matching row and column index tensors. The host side allocates the skeleton's scratch buffers
+with arrival_counters, split_k_partials and top_k_buffer (sized by the worst case: no host sync).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -196,3 +198,33 @@ def combine_by_last_arrival(
                                  mask=ok_e & ok_t, other=0.0, cache_modifier=".cg")
             y = y * scale
             tl.store(out_ptr + tc_idx * stride_om + c_idx * stride_oh, y.to(out_ptr.dtype.element_ty), mask=ok_t)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+
+
+def arrival_counters(max_blocks: int, tiles1: int, split_k1: int, M: int, tiles2: int,
+                     device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One int32 buffer for the routing launch to zero, and its two views: GEMM1's counters per
+    (block, column tile) when it is split over K (offset rounded to 128 bytes), then GEMM2's per
+    (token, column tile). Returns (all, gemm1's, gemm2's)."""
+    n_t1 = -(-max_blocks * tiles1 // 32) * 32 if split_k1 > 1 else 0
+    tickets = torch.empty(n_t1 + M * tiles2, dtype=torch.int32, device=device)
+    return tickets, (tickets[:n_t1] if n_t1 else tickets), tickets[n_t1:]
+
+
+def split_k_partials(split_k1: int, max_padded: int, I: int, unused: torch.Tensor) -> torch.Tensor:
+    """GEMM1's fp32 partials [split_k1, max_padded, 2I] (gate, up) when it is split over K, else
+    ``unused`` (any tensor: the kernel does not read it)."""
+    if split_k1 == 1:
+        return unused
+    return torch.empty(split_k1, max_padded, 2 * I, dtype=torch.float32, device=unused.device)
+
+
+def top_k_buffer(atomic: bool, split_k2: int, M: int, num_pairs: int, H: int, device) -> torch.Tensor:
+    """GEMM2's fp32 rows for the top-k sum: [M, H] zeroed for atomic adds (one memset), else
+    [split_k2, M k, H] (rows of dropped pairs are never written and never read)."""
+    if atomic:
+        return torch.zeros(M, H, dtype=torch.float32, device=device)
+    return torch.empty(split_k2, num_pairs, H, dtype=torch.float32, device=device)
+

@@ -56,24 +56,20 @@ def measure_fp4_gemm(kind: str, act_quant: str, config, H: int = 3584, I: int = 
     from dataclasses import replace
 
     from .. import sass
-    from ..perf_model import LoopCost
+    from ..moe_details.compile_check import loop_statics
 
     K_dim = H if kind == "gemm1" else I
     bk = config.block_k1 if kind == "gemm1" else config.block_k2
     split = min(2, K_dim // bk)
     cfg = replace(config, split_k1=split) if kind == "gemm1" else replace(config, split_k2=split)
-    c = compile_fp4_gemm(kind, act_quant, cfg, H, I, top_k, arch)
-    funcs = sass.disassemble(c.asm["cubin"])
-    name = next(n for n in funcs if "gemm" in n)
-    ru = sass.resource_usage(c.asm["cubin"])[name]
-    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+    cost, st = loop_statics(compile_fp4_gemm(kind, act_quant, cfg, H, I, top_k, arch), config.num_warps)
     rows = 2 * config.block_n1 if kind == "gemm1" else config.block_n2
     return {
-        "loop_cost": LoopCost(st.instructions, config.num_warps, ru.registers, c.metadata.shared, ru.local_bytes),
+        "loop_cost": cost,
         "instructions_per_iteration": st.instructions,
         "weights_per_iteration": rows * bk,
         "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, config.num_warps, rows * bk), 4),
-        "registers": ru.registers, "local_bytes": ru.local_bytes, "shared_bytes": c.metadata.shared,
+        "registers": cost.registers, "local_bytes": cost.local_bytes, "shared_bytes": cost.shared_bytes,
         "mma_per_iteration": st.mma,
     }
 
