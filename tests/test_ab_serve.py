@@ -223,11 +223,11 @@ def test_malformed_responses(body, pattern):
 
 
 def test_slow_response_times_out():
+    # The server answers after 1.5 s, so only the client's 0.2 s timeout can raise here: the
+    # error (its type and the timeout it names) is the proof, not a clock on a loaded machine.
     with FakeServer(lambda p: (200, completion("Answer: 1"), 1.5)) as s:
-        t0 = time.perf_counter()
         with pytest.raises(EndpointTimeout, match="no answer within --timeout 0.2 s"):
             ChatClient("a", s.url, retries=0, timeout_s=0.2).chat({"messages": []})
-        assert time.perf_counter() - t0 < 1.2
 
 
 def _free_port():

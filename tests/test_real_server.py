@@ -134,7 +134,6 @@ def test_rejected_request_is_named_with_a_partial_report(servers, prompt_file, t
 def test_timeout_is_named_with_a_partial_report(servers, prompt_file, tmp_path, capsys):
     a, b = servers
     out = tmp_path / "ab"
-    t0 = time.monotonic()
     # 1 s: /v1/models (the reachability check) answers well within it even on a loaded CI machine;
     # 400 new tokens take several seconds on CPU.
     assert _serve(a, b, out, prompt_file, "--max-tokens", "400", "--timeout", "1", "--retries", "1",
@@ -142,7 +141,6 @@ def test_timeout_is_named_with_a_partial_report(servers, prompt_file, tmp_path, 
     err = capsys.readouterr().err
     assert "no answer within --timeout 1 s (2 attempt(s))" in err and "partial report:" in err
     assert _partial(out)["error"]["type"] == "EndpointTimeout"
-    assert time.monotonic() - t0 < 30
 
 
 def test_server_killed_mid_run_gives_a_partial_report(servers, prompt_file, tmp_path, capsys):
