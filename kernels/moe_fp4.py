@@ -116,7 +116,8 @@ def fused_moe_fp4(
 
     hidden_states: [M, H] bfloat16 / float16 / float32; weights: FP4MMAWeights (prepare once:
     FP4MMAWeights.from_nvfp4(w)), or NVFP4MoEWeights (converted once and cached while that
-    object lives: prepared_fp4_weights);
+    object lives: prepared_fp4_weights); H and I must be multiples of 64 (FP4MMAWeights raises
+    ValueError otherwise: whole K tiles for the MMA; W4A16 needs only multiples of 16);
     topk_weights float32 [M, k]; topk_ids int32/int64 [M, k], ids outside [0, E) contribute
     nothing. act_quant: "nvfp4" (W4A4) or "mxfp8" (W4A8, needs weights with E8M0 scales).
     input_scale: static fp32 NVFP4 scale of the GEMM1 activations ("nvfp4" only; e.g. the W4A4

@@ -142,6 +142,15 @@ def test_e8m0_recovered_exactly_from_nvfp4():
     assert FP4MMAWeights.from_nvfp4(k3, mxfp8=False).w13_e8m0 is None
 
 
+@pytest.mark.parametrize("H,I", [(48, 64), (64, 80), (112, 96)])
+def test_fp4_modes_refuse_shapes_w4a16_accepts(H, I):
+    """The FP4 modes' shape rule is multiples of 64 (docs/kernels.md, fused_moe_fp4): shapes that
+    W4A16 takes (multiples of 16) are refused by name when the FP4 layout is prepared."""
+    w = k3_like_nvfp4_moe_weights(2, H, I, seed=5)  # W4A16's own layout accepts them
+    with pytest.raises(ValueError, match=f"H = {H} and I = {I} must be multiples of 64"):
+        FP4MMAWeights.from_nvfp4(w, mxfp8=False)
+
+
 def test_e8m0_recovery_refuses_non_mxfp4_blocks():
     (w13, e13, w2, e2), w = _mxfp4_weights(2, 64, 64)
     mo = [t.cpu().clone() for t in w.to_modelopt()]
