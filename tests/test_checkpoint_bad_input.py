@@ -175,3 +175,60 @@ def test_disk_write_failure(src, tmp_path, capsys, monkeypatch):
     assert rc == 1 and "No space left on device" in err and ".safetensors" in err
     _assert_no_corrupt_output(out)
     assert not list(out.glob("*.safetensors"))
+
+
+def _set_group_size(src: Path, size: int) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+
+    def walk(d):
+        if isinstance(d, dict):
+            for k, v in d.items():
+                if k == "group_size":
+                    d[k] = size
+                else:
+                    walk(v)
+        elif isinstance(d, list):
+            for v in d:
+                walk(v)
+
+    walk(cfg)
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("case", ["invalid_index_json", "group_size_16", "output_is_a_file"])
+def test_refused_inputs_are_named(src, tmp_path, capsys, case, workers):
+    """Refusals before any work, with the single process and with the pool: the file and what
+    is wrong with it, exit 1, no output directory made (or the file left as it was)."""
+    out = tmp_path / "out"
+    if case == "invalid_index_json":
+        (src / "model.safetensors.index.json").write_text("{not json")
+        expected = (str(src / "model.safetensors.index.json"), "not valid JSON")
+    elif case == "group_size_16":
+        _set_group_size(src, 16)
+        expected = (str(src / "config.json"), "group_size is 16, expected 32")
+    else:
+        out.write_text("keep me")
+        expected = (f"--output-ckpt {out}", "exists and is not a directory")
+    before = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+    capsys.readouterr()
+    rc = main(["--source_ckpt", str(src), "--output_ckpt", str(out), "--workers", workers, "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and all(e in err for e in expected), err
+    assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
+    if case == "output_is_a_file":
+        assert out.read_text() == "keep me"
+    else:
+        assert not out.exists()
+
+
+def test_already_cast_source_is_refused(src, tmp_path, capsys):
+    """A ModelOpt NVFP4 checkpoint (this tool's own output) given as the source: named, exit 1."""
+    cast = tmp_path / "cast"
+    assert main(["--source_ckpt", str(src), "--output_ckpt", str(cast), "--workers", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    rc = main(["--source_ckpt", str(cast), "--output_ckpt", str(tmp_path / "again"), "--workers", "2",
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and str(cast / "config.json") in err and "'modelopt', expected 'compressed-tensors'" in err, err
+    assert not (tmp_path / "again").exists()
