@@ -232,3 +232,32 @@ def test_already_cast_source_is_refused(src, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and str(cast / "config.json") in err and "'modelopt', expected 'compressed-tensors'" in err, err
     assert not (tmp_path / "again").exists()
+
+
+def test_tensor_missing_from_the_index(src, tmp_path, capsys):
+    """A shard holds a tensor the index does not map there: named with its shard, exit 1."""
+    shard = _shard_of(src, PACKED)
+    t = load_file(str(shard))
+    t["stray.tensor"] = torch.zeros(4)
+    save_file(t, str(shard), metadata={"format": "pt"})
+    rc, err = _run(src, tmp_path / "out", capsys)
+    assert rc == 1 and str(shard) in err and "stray.tensor is not mapped to this shard" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_header_data_offsets_that_do_not_match(src, tmp_path, capsys):
+    """A safetensors header whose data_offsets disagree with the tensor's dtype and shape."""
+    import struct
+
+    shard = _shard_of(src, PACKED)
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    lo, hi = header[PACKED]["data_offsets"]
+    header[PACKED]["data_offsets"] = [lo, hi + 64]
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    shard.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:])
+    rc, err = _run(src, tmp_path / "out", capsys)
+    assert rc == 1 and str(shard) in err and PACKED in err and f"data_offsets {lo}..{hi + 64} do not match" in err, err
+    _assert_no_corrupt_output(tmp_path / "out")
