@@ -1,8 +1,8 @@
 """k3nvfp4-cast with its worker pool (--workers 2; the CLI default is min(4, CPUs)): an error in a
 shard that a second worker casts is named, exits non-zero, leaves nothing under a final name and
 the source untouched; the repaired source is refused as other inputs of an unfinished cast, and
---overwrite gives the bytes of an uninterrupted cast. (SIGINT / SIGKILL of a multi-worker cast
-and resume are not tested yet.)"""
+--overwrite gives the bytes of an uninterrupted cast; a 2-worker cast interrupted by SIGINT or
+killed with its whole process group resumes to the same bytes as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -106,3 +106,61 @@ def test_error_inside_a_spawned_worker_is_named(pristine, tmp_path):
     for f in FINAL:
         assert not (out / f).exists(), f
     assert not list(out.glob(".*.partial"))
+
+
+@pytest.fixture(scope="module")
+def larger(tmp_path_factory) -> tuple[Path, Path]:
+    """12 shards (~7 MB): a 2-worker cast takes a few seconds, long enough to interrupt after its
+    first shard is final. Returns (source, the uninterrupted cast of it)."""
+    root = tmp_path_factory.mktemp("larger")
+    src = write_synthetic_checkpoint(root / "src", num_layers=6, num_experts=8, hidden_size=256, intermediate_size=128,
+                                     num_shards=12, model_hidden_size=256)
+    ref = root / "ref"
+    assert main(["--source_ckpt", str(src), "--output_ckpt", str(ref), "--workers", "2", "--no-progress"]) == 0
+    return src, ref
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_interrupted_multi_worker_cast_resumes_to_the_same_bytes(larger, tmp_path, sig):
+    """The CLI in its own process group with --workers 2, signalled (SIGINT: Ctrl-C of the group;
+    SIGKILL: a hard kill of every process) as soon as its first shard's completion is recorded; rerun
+    with the same arguments it resumes, cleans any leftover partial file, and writes the bytes of
+    the uninterrupted cast."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from k3nvfp4.checkpoint.convert import STATE_DIR
+
+    src, ref = larger
+    before = _digests(src)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-P", "-m", "k3nvfp4.checkpoint", "--source_ckpt", str(src), "--output_ckpt", str(out),
+           "--workers", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Synchronise on the event (a shard's completion record on disk), not on a sleep.
+        while proc.poll() is None and not list((out / STATE_DIR).glob("model-*.json")):
+            time.sleep(0.002)
+        assert proc.poll() is None, f"the cast ended before it could be interrupted: {proc.communicate()[1][-2000:]}"
+        os.killpg(proc.pid, getattr(signal, sig))
+        _stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    if sig == "SIGINT":
+        assert "interrupted" in stderr.lower(), stderr[-2000:]
+    assert not (out / "cast_report.json").exists()
+    assert _digests(src) == before
+
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    report = json.loads((out / "cast_report.json").read_text())
+    assert report["shards"]["resumed"] >= 1, report["shards"]
+    assert not list(out.glob(".*.partial"))
+    a, b = _digests(out), _digests(ref)
+    a.pop("cast_report.json"), b.pop("cast_report.json")
+    assert a == b
