@@ -6,6 +6,8 @@ output shard to a temporary name that is renamed when complete. A finished shard
 recorded in ``<output>/.k3nvfp4-cast/``; a restarted run with the same arguments (same
 fingerprint) skips it, and the deterministic writer makes the result byte-identical.
 The config, index, side files and ``cast_report.json`` are written last.
+A run that fails or is interrupted (Ctrl-C: the main process alone handles it) removes its
+temporary files, and a pool process that dies is an error naming its shard.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import platform
 import queue as queue_mod
 import shutil
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -28,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..common.files import copy_file_atomic
+from ..common.files import PARTIAL_SUFFIX, copy_file_atomic
 from ..kernels.cast import CastStats, MXFP4Weight, cast_mxfp4_to_nvfp4
 from . import _progress
 from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE
@@ -82,12 +85,18 @@ class _Files:
     def get(self, shard: str):
         f = self._open.get(shard)
         if f is None:
-            f = self._open[shard] = open(self.root / shard, "rb")
+            try:
+                f = self._open[shard] = open(self.root / shard, "rb")
+            except OSError as exc:  # removed or replaced since the plan read its header
+                raise CheckpointError(f"{self.root / shard}: cannot open: {exc.strerror or exc}") from None
         return f
 
     def mapped(self, shard: str) -> mmap.mmap:
         """The shard mapped MAP_PRIVATE (see MappedShards)."""
-        return self._maps.get(shard)
+        try:
+            return self._maps.get(shard)
+        except (OSError, ValueError) as exc:  # gone, or emptied (mmap of 0 bytes) since the plan
+            raise CheckpointError(f"{self.root / shard}: cannot map: {getattr(exc, 'strerror', None) or exc}") from None
 
     def close(self) -> None:
         self._maps.close()
@@ -249,12 +258,40 @@ def _shard_task(plan: CastPlan, options: CastOptions, shard: ShardPlan) -> Shard
 
 
 _READY = -1  # a pool process announces itself on the progress queue
+_worker_queue = None  # in a pool process: the progress queue (also carries task start / end)
 
 
 def _init_worker(queue) -> None:
+    global _worker_queue
+    # Ctrl-C reaches the whole process group: the main process alone handles it (stops the
+    # run, terminates the pool, removes the temporary files); a worker would only print a
+    # KeyboardInterrupt traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    _worker_queue = queue
     _progress.set_sink(queue.put)
     queue.put(_READY)
+
+
+def _in_worker(fn, task: ShardTask):
+    """Run ``fn(task)`` in a pool process, announcing start and end with this process's pid,
+    so that the main process can tell a task whose process died (killed, out of memory) from
+    one still running: multiprocessing.Pool would wait for its result forever."""
+    _worker_queue.put(("start", os.getpid(), task.shard.name))
+    try:
+        return fn(task)
+    finally:
+        _worker_queue.put(("end", os.getpid()))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # a dead worker is reaped at once by the pool's worker handler
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _Executor:
@@ -304,6 +341,7 @@ class _Executor:
         lock = threading.Lock()
         done: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # pool results / errors
         in_flight = [0]
+        running: dict[int, str] = {}  # pool pid -> the shard it is working on
         threads: list[threading.Thread] = []
         stop = threading.Event()
         if pool is not None:
@@ -323,11 +361,17 @@ class _Executor:
                             return
                         t = todo.popleft()
                         in_flight[0] += 1
-                    pool.apply_async(fn, (t,), callback=finished, error_callback=finished)
+                    pool.apply_async(_in_worker, (fn, t), callback=finished, error_callback=finished)
 
             def drain() -> None:
                 while (n := self._queue.get()) is not None:
-                    if n == _READY:
+                    if isinstance(n, tuple):
+                        with lock:
+                            if n[0] == "start":
+                                running[n[1]] = n[2]
+                            else:
+                                running.pop(n[1], None)
+                    elif n == _READY:
                         idle.release()
                     else:
                         bar.update(n)
@@ -335,6 +379,16 @@ class _Executor:
             threads = [threading.Thread(target=dispatch, daemon=True), threading.Thread(target=drain, daemon=True)]
             for th in threads:
                 th.start()
+
+        def check_workers() -> None:
+            with lock:  # a pool task whose process is gone: its result will never come
+                lost = [(pid, shard) for pid, shard in running.items() if not _pid_alive(pid)]
+            if lost:
+                pid, shard = lost[0]
+                raise CheckpointError(
+                    f"{tasks[0].output / shard}: the worker process (pid {pid}) on this shard ({desc}) "
+                    "ended without a result (killed? out of memory? try fewer --workers); run the same command "
+                    "again to resume")
 
         def collect(block: bool) -> None:
             while in_flight[0] and (block or not done.empty()):
@@ -362,6 +416,7 @@ class _Executor:
                     break
                 if done.empty():
                     time.sleep(0.01)
+                    check_workers()
                 collect(block=False)
             completed = True
         finally:
@@ -424,6 +479,13 @@ def _prepare_output(options: CastOptions, plan: CastPlan) -> tuple[Path, dict | 
     return state, None
 
 
+def _remove_partials(out: Path) -> None:
+    """Remove the temporary files (``.<name>.partial``, ``.<name>.<pid>.<random>.partial``) a
+    stopped run left in ``out``, subfolders (side files, the state folder) included."""
+    for p in out.rglob(f".*{PARTIAL_SUFFIX}"):
+        p.unlink(missing_ok=True)
+
+
 def _write_final_files(plan: CastPlan, options: CastOptions) -> int:
     out = options.output
     weight_map, total = {}, 0
@@ -459,8 +521,7 @@ def run_cast(options: CastOptions) -> dict:
     state, finished = _prepare_output(options, plan)
     if finished is not None:
         return _already_done(options, plan, finished)
-    for p in options.output.glob(".*.partial"):  # leftovers of an interrupted run
-        p.unlink()
+    _remove_partials(options.output)  # leftovers of a killed run
 
     records: dict[str, dict] = {}
     for sp in plan.shards:
@@ -478,23 +539,30 @@ def run_cast(options: CastOptions) -> dict:
         records[r["shard"]] = r
         write_atomic_text(state / f"{r['shard']}.json", json.dumps(r) + "\n")
 
-    with _Executor(min(options.workers, len(plan.shards)), options.progress, options.main_process_works) as ex:
-        ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), "cast", record)
-        cast_seconds = time.perf_counter() - t0
-        verify_report, verify_seconds = None, 0.0
-        if options.verify:
-            # Shards cast now were verified in-line except their cross-shard groups; shards of
-            # an earlier (resumed) run are verified whole.
-            t1 = time.perf_counter()
-            vres = [records[sp.name]["verify"] for sp in todo]
-            by_name = {sp.name: sp for sp in plan.shards}
-            nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
-            cast_now = {sp.name for sp in todo}
-            full_tasks = [_shard_task(plan, options, sp) for sp in plan.shards if sp.name not in cast_now]
-            for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
-                if ts:
-                    ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), "verify", vres.append)
-            verify_seconds = time.perf_counter() - t1
+    try:
+        with _Executor(min(options.workers, len(plan.shards)), options.progress, options.main_process_works) as ex:
+            ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), "cast", record)
+            cast_seconds = time.perf_counter() - t0
+            verify_report, verify_seconds = None, 0.0
+            if options.verify:
+                # Shards cast now were verified in-line except their cross-shard groups; shards of
+                # an earlier (resumed) run are verified whole.
+                t1 = time.perf_counter()
+                vres = [records[sp.name]["verify"] for sp in todo]
+                by_name = {sp.name: sp for sp in plan.shards}
+                nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
+                cast_now = {sp.name for sp in todo}
+                full_tasks = [_shard_task(plan, options, sp) for sp in plan.shards if sp.name not in cast_now]
+                for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
+                    if ts:
+                        ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), "verify", vres.append)
+                verify_seconds = time.perf_counter() - t1
+    except BaseException:
+        # The pool is terminated and joined by now, so nothing writes any more: the shards being
+        # cast when the run failed or was interrupted leave no temporary file behind. Finished
+        # shards stay (recorded: a resume keeps them).
+        _remove_partials(options.output)
+        raise
     cast_bytes = sum(sp.source_bytes for sp in todo)
 
     stats = CastStats()

@@ -102,9 +102,15 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     entries: dict[str, TensorEntry] = {}
     for name, info in header.items():
         try:
-            dtype, shape, (b, e) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError):
             raise CheckpointError(f"{path}: corrupt header entry for tensor {name}") from None
+        # JSON integers only (bool is an int to Python): int("3") or a float would hide a corrupt entry.
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CheckpointError(f"{path}: tensor {name}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CheckpointError(f"{path}: tensor {name}: data_offsets {offsets!r} are not two integers")
+        shape, (b, e) = tuple(shape), offsets
         if dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         numel = 1

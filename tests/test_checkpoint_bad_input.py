@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,87 @@ def test_header_data_offsets_that_do_not_match(src, tmp_path, capsys):
     rc, err = _run(src, tmp_path / "out", capsys)
     assert rc == 1 and str(shard) in err and PACKED in err and f"data_offsets {lo}..{hi + 64} do not match" in err, err
     _assert_no_corrupt_output(tmp_path / "out")
+
+
+# --- More header and mid-run branches (issue 26, item 4). The header refusals come from the
+# plan, in the main process before a pool starts; --workers 2 is the multi-process setting.
+
+LM_HEAD = "language_model.lm_head.weight"
+
+
+def _run2(src: Path, out: Path, capsys, *extra: str) -> tuple[int, str]:
+    return _run(src, out, capsys, "--workers", "2", *extra)
+
+
+def _edit_header(path: Path, fn) -> None:
+    """Rewrite a shard's JSON header with ``fn(header)`` (tensor data bytes kept as they are;
+    data_offsets are relative to the end of the header, so its length may change)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8: 8 + n])
+    fn(header)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+def test_unsupported_dtype(src, tmp_path, capsys):
+    path = _shard_of(src, LM_HEAD)
+    _edit_header(path, lambda h: h[LM_HEAD].update(dtype="F8_E8M0"))  # a tag safetensors has, the cast does not
+    rc, err = _run2(src, tmp_path / "out", capsys)
+    assert rc == 1 and f"{path}: tensor {LM_HEAD} has unsupported dtype F8_E8M0" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad,words", [
+    (lambda b, e, size: [-2, e - b - 2], "do not match BF16"),  # the right length, before the data
+    (lambda b, e, size: [str(b), str(e)], "are not two integers"),
+    (lambda b, e, size: [b, e, e], "are not two integers"),
+    (lambda b, e, size: [b + size, e + size], "truncated"),  # past the end of the file
+])
+def test_bad_data_offsets(src, tmp_path, capsys, bad, words):
+    path = _shard_of(src, LM_HEAD)
+    size = path.stat().st_size
+
+    def edit(h):
+        b, e = h[LM_HEAD]["data_offsets"]
+        h[LM_HEAD]["data_offsets"] = bad(b, e, size)
+
+    _edit_header(path, edit)
+    rc, err = _run2(src, tmp_path / "out", capsys)
+    assert rc == 1 and str(path) in err and f"tensor {LM_HEAD}" in err and words in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_shape_in_header(src, tmp_path, capsys):
+    path = _shard_of(src, LM_HEAD)
+    _edit_header(path, lambda h: h[LM_HEAD].update(shape=[-1, -1]))  # numel 1: would pass a size check
+    rc, err = _run2(src, tmp_path / "out", capsys)
+    assert rc == 1 and f"{path}: tensor {LM_HEAD}: shape [-1, -1] is not a list of non-negative integers" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change", ["truncate", "delete"])
+def test_shard_changed_after_the_plan(src, tmp_path, capsys, monkeypatch, change):
+    """A source shard cut short (or removed) after its header was read, just before it is
+    cast: a short read naming the file and tensor, not a traceback, and nothing half-written."""
+    from k3nvfp4.checkpoint import convert as convert_mod
+
+    target = _shard_of(src, LM_HEAD)
+    real = convert_mod.cast_shard
+
+    def shrink_then_cast(task):
+        if task.shard.name == target.name:
+            if change == "truncate":
+                os.truncate(target, target.stat().st_size - 64)  # the last tensor loses its tail
+            else:
+                target.unlink()
+        return real(task)
+
+    monkeypatch.setattr(convert_mod, "cast_shard", shrink_then_cast)
+    out = tmp_path / "out"
+    rc, err = _run(src, out, capsys)  # --workers 1: the patch must run in this process
+    assert rc == 1 and str(target) in err, err
+    assert ("short read of tensor" in err) if change == "truncate" else ("No such file or directory" in err), err
+    _assert_no_corrupt_output(out)
+    assert not (out / target.name).exists()
