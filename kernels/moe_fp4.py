@@ -40,30 +40,21 @@ from .interpreter import interpret_requested
 from .moe_details.activation import ACT_SILU, ACT_SITU
 from .moe_details.routing import SMALL_NUM_WARPS, align_routing_triton, max_padded_blocks, small_routing_launch
 from .moe_details.skeleton import arrival_counters, split_k_partials, top_k_buffer
-from .moe_details.validate import ACT_DTYPES
 from .moe_details.weights import NVFP4MoEWeights
 from .moe_fp4_details import kernels as _k
 from .moe_fp4_details.config import FP4MoEConfig
+from .moe_fp4_details.validate import (ACT_QUANT_MODES, input_scale_value, intermediate_is_static,
+                                       intermediate_static_scale, validate_fp4_inputs)
 from .moe_fp4_details.weights import E8M0RecoveryError, FP4MMAWeights
-from .situ import ACTIVATIONS
 
 __all__ = ["ACT_QUANT_MODES", "E8M0RecoveryError", "FP4MMAWeights", "FP4MoEConfig", "check_fp4_mode_supported",
            "fused_moe_fp4", "intermediate_static_scale", "prepared_fp4_weights"]
 
-ACT_QUANT_MODES = ("nvfp4", "mxfp8")
 _MODE = {"nvfp4": _k.MODE_NVFP4, "mxfp8": _k.MODE_MXFP8}
 # First Triton release whose dot_scaled decomposition (non-Blackwell GPUs) takes E4M3 block
 # scales per 16 (NVFP4, triton PR 9772; 3.6 predates it, FACTS.md).
 _NVFP4_DECOMPOSED_MIN_TRITON = (3, 7)
 _INTERPRETER_MIN_TRITON = (3, 8)  # tl.dot_scaled in the interpreter
-
-
-def intermediate_static_scale(activation: str, situ_beta: float, situ_linear_beta: float | None) -> float | None:
-    """The static NVFP4 row scale of the SiTU intermediate, beta x linear_beta / (6 x 448) (|SiTU|
-    < beta x linear_beta), or None where the activation has no bound (silu, situ without cap)."""
-    if activation != "situ" or situ_linear_beta is None:
-        return None
-    return abs(float(situ_beta)) * abs(float(situ_linear_beta)) / 2688.0
 
 
 def check_fp4_mode_supported(act_quant: str, device: torch.device) -> bool:
@@ -131,7 +122,7 @@ def fused_moe_fp4(
     """
     if isinstance(weights, NVFP4MoEWeights):
         weights = prepared_fp4_weights(weights, mxfp8=act_quant == "mxfp8")
-    _validate(hidden_states, weights, topk_weights, topk_ids, activation, out, act_quant)
+    validate_fp4_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out, act_quant)
     device = hidden_states.device
     emulate = check_fp4_mode_supported(act_quant, device)
     mode = _MODE[act_quant]
@@ -146,9 +137,9 @@ def fused_moe_fp4(
         out = torch.empty(M, H, dtype=dtype, device=device)
     if M == 0:
         return out
-    static_inter = _intermediate_mode(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
+    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
     inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else 1.0
-    in_s = _input_scale(input_scale, act_quant)
+    in_s = input_scale_value(input_scale, act_quant)
     cfg = config or FP4MoEConfig.heuristic(E, H, I, k, M, act_quant=act_quant, num_global_experts=num_global_experts,
                                            device_name=_device_name(device))
     cfg.check(H, I)
@@ -264,62 +255,3 @@ def _e8m0(t: torch.Tensor | None, name: str) -> torch.Tensor:
         raise ValueError(f"weights: {name}_e8m0 is missing; act_quant='mxfp8' needs "
                          "FP4MMAWeights.from_nvfp4(w, mxfp8=True) (exact MXFP4 blocks)")
     return t
-
-
-def _intermediate_mode(act_quant, intermediate_scale, activation, beta, linear_beta) -> bool:
-    """True: static NVFP4 scale of the intermediate (fused in GEMM1's epilogue)."""
-    if intermediate_scale not in ("auto", "static", "dynamic"):
-        raise ValueError(f"intermediate_scale: expected 'auto', 'static' or 'dynamic', got {intermediate_scale!r}")
-    if act_quant != "nvfp4":
-        if intermediate_scale != "auto":
-            raise ValueError("intermediate_scale: only for act_quant='nvfp4' (MXFP8 scales are per 32-block)")
-        return False
-    bounded = intermediate_static_scale(activation, beta, linear_beta) is not None
-    if intermediate_scale == "static" and not bounded:
-        raise ValueError(f"intermediate_scale='static': activation {activation!r} with linear_beta={linear_beta} "
-                         "has no bound, so no static scale exists; use 'dynamic' or 'auto'")
-    return bounded and intermediate_scale != "dynamic"
-
-
-def _input_scale(input_scale, act_quant: str) -> float | None:
-    if input_scale is None:
-        return None
-    if act_quant != "nvfp4":
-        raise ValueError("input_scale: only for act_quant='nvfp4' (MXFP8 has no per-tensor scale)")
-    if isinstance(input_scale, torch.Tensor):
-        if input_scale.numel() != 1:
-            raise ValueError(f"input_scale: expected one scale (take the max over experts), got shape "
-                             f"{tuple(input_scale.shape)}")
-        input_scale = float(input_scale.reshape(()))  # host sync; a float avoids it
-    s = float(input_scale)
-    if not (s > 0 and s < float("inf")):
-        raise ValueError(f"input_scale: must be a finite positive scale, got {s}")
-    return s
-
-
-def _validate(x, weights, topk_weights, topk_ids, activation, out, act_quant) -> None:
-    if not isinstance(weights, FP4MMAWeights):
-        raise TypeError(f"weights: expected FP4MMAWeights or NVFP4MoEWeights, got {type(weights).__name__}")
-    if act_quant not in ACT_QUANT_MODES:
-        raise ValueError(f"act_quant: expected one of {ACT_QUANT_MODES}, got {act_quant!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    if x.dim() != 2 or x.dtype not in ACT_DTYPES:
-        raise ValueError(f"hidden_states: expected [M, H] bfloat16/float16/float32, got {tuple(x.shape)} {x.dtype}")
-    M, H = x.shape
-    if H != weights.hidden_size:
-        raise ValueError(f"hidden_states: hidden size {H} does not match the weights' H = {weights.hidden_size}")
-    if x.stride(1) != 1:
-        raise ValueError("hidden_states: the last dimension must be contiguous (stride 1)")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != M or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids: expected int32/int64 [M={M}, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_weights: expected float32 {tuple(topk_ids.shape)}, got "
-                         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
-    if topk_ids.shape[1] < 1:
-        raise ValueError("topk_ids: top-k must be >= 1")
-    if out is not None and (tuple(out.shape) != (M, H) or out.dtype != x.dtype):
-        raise ValueError(f"out: expected shape {(M, H)} and dtype {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-    for name, t in {"hidden_states": x, "topk_weights": topk_weights, "topk_ids": topk_ids, "out": out}.items():
-        if t is not None and t.device != weights.device:
-            raise ValueError(f"{name}: on {t.device}, but the weights are on {weights.device}")

@@ -1,6 +1,13 @@
-"""Plain-torch reference of the FP4 tensor-core MoE (kernels/moe_fp4.py): the activations and the
-intermediate are quantized exactly as the kernels do (kernels/act_quant.py), so a test against
-it sees only the kernels' arithmetic (fp32 accumulation order)."""
+"""Plain-torch SAME-QUANTIZATION reference of the FP4 tensor-core MoE (kernels/moe_fp4.py): the
+activations and the intermediate are quantized by kernels/act_quant.py, the rules the Triton
+quantizers implement, so a test against it sees only the kernels' arithmetic (fp32 accumulation
+order), and the call contract is the kernels' own (moe_fp4_details/validate.py).
+
+It is not an independent oracle: it shares the quantization rules and the contract with what it
+checks. The independent oracle is in the tests: tests/fp4_spec.py (the quantizers written from
+the NVFP4 / OCP MX specifications with ml_dtypes and numpy) and tests/fp4_moe_oracle.py (the
+whole call on it, float64 dots, float64 SiTU), against which tests/test_fp4_oracle.py checks
+act_quant, the Triton quantizers and fused_moe_fp4."""
 
 from __future__ import annotations
 
@@ -9,7 +16,8 @@ import torch
 from . import act_quant as aq
 from . import formats
 from .moe_details.weights import NVFP4MoEWeights
-from .moe_fp4 import _input_scale, _intermediate_mode, _validate, intermediate_static_scale
+from .moe_fp4_details.validate import (input_scale_value, intermediate_is_static, intermediate_static_scale,
+                                       validate_fp4_inputs)
 from .moe_fp4_details.weights import FP4MMAWeights
 from .situ import gated_activation_f32
 
@@ -42,14 +50,14 @@ def fused_moe_fp4_reference(
     """
     if isinstance(weights, NVFP4MoEWeights):
         weights = FP4MMAWeights.from_nvfp4(weights, mxfp8=act_quant == "mxfp8")
-    _validate(hidden_states, weights, topk_weights, topk_ids, activation, out, act_quant)
+    validate_fp4_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out, act_quant)
     M, H = hidden_states.shape
     k = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate_size
     nv = act_quant == "nvfp4"
-    static_inter = _intermediate_mode(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
+    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
     inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else None
-    in_s = _input_scale(input_scale, act_quant)
+    in_s = input_scale_value(input_scale, act_quant)
     if nv:
         xq, xs, xrs = aq.quantize_nvfp4_rows(hidden_states, in_s)
         xd = aq.dequantize_nvfp4_rows(xq, xs, None)

@@ -142,13 +142,19 @@ def test_e8m0_recovered_exactly_from_nvfp4():
     assert FP4MMAWeights.from_nvfp4(k3, mxfp8=False).w13_e8m0 is None
 
 
-@pytest.mark.parametrize("H,I", [(48, 64), (64, 80), (112, 96)])
-def test_fp4_modes_refuse_shapes_w4a16_accepts(H, I):
-    """The FP4 modes' shape rule is multiples of 64 (docs/kernels.md, fused_moe_fp4): shapes that
-    W4A16 takes (multiples of 16) are refused by name when the FP4 layout is prepared."""
+@pytest.mark.parametrize("H,I,named", [(48, 64, "hidden size H = 48 is"), (64, 80, "intermediate size I = 80 is"),
+                                       (112, 96, "hidden size H = 112 and intermediate size I = 96 are")])
+def test_fp4_modes_refuse_shapes_w4a16_accepts(H, I, named):
+    """The FP4 modes' shape rule is multiples of 64 (docs/kernels.md, fused_moe_fp4, FP4MMAWeights):
+    shapes that W4A16 takes (multiples of 16) are refused naming the argument that breaks it, when
+    the FP4 layout is prepared (directly, or by fused_moe_fp4 on W4A16 weights)."""
     w = k3_like_nvfp4_moe_weights(2, H, I, seed=5)  # W4A16's own layout accepts them
-    with pytest.raises(ValueError, match=f"H = {H} and I = {I} must be multiples of 64"):
+    msg = f"FP4MMAWeights: {named} not a multiple of 64: .* W4A16 .* multiples of 16"
+    with pytest.raises(ValueError, match=msg):
         FP4MMAWeights.from_nvfp4(w, mxfp8=False)
+    tw, ids = random_routing(2, 2, 2)
+    with pytest.raises(ValueError, match=msg):
+        fused_moe_fp4(torch.zeros(2, H, device=DEV), w, tw.to(DEV), ids.to(DEV), act_quant="nvfp4")
 
 
 def test_e8m0_recovery_refuses_non_mxfp4_blocks():

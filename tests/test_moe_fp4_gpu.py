@@ -1,14 +1,16 @@
 """GPU checks of the FP4 tensor-core MoE modes (bench/gpu_check.sh runs `pytest -m gpu`): each mode
 against the reference that quantizes the same way, where the installed Triton can run it on this
 GPU; where it cannot, the clear error is what is checked (e.g. "nvfp4" on Hopper with Triton 3.6,
-whose dot_scaled decomposition predates E4M3 block scales)."""
+whose dot_scaled decomposition predates E4M3 block scales). The activation quantizers are compared
+bit for bit with the independent spec oracle (tests/fp4_spec.py), not with kernels/act_quant.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from k3nvfp4.kernels import act_quant as aq
+import fp4_spec as spec
 from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
 from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights, FP4MoEConfig, check_fp4_mode_supported, fused_moe_fp4
 from k3nvfp4.kernels.moe_fp4_reference import fused_moe_fp4_reference
@@ -95,14 +97,21 @@ def test_gpu_activation_quantizers_bit_exact(act_quant):
         bufs = (torch.empty(R, Kd // 2, dtype=torch.uint8, device="cuda"),
                 torch.empty(R, Kd // 16, dtype=torch.float8_e4m3fn, device="cuda"),
                 torch.empty(R, dtype=torch.float32, device="cuda"))
-        ref = aq.quantize_nvfp4_rows(x)
+        ref = spec.quantize_nvfp4(x.cpu().numpy())
+        ref = (ref.packed, ref.scale_bits, ref.row_scale.view(np.uint32))
     else:
         bufs = (torch.empty(R, Kd, dtype=torch.float8_e4m3fn, device="cuda"),
                 torch.empty(R, Kd // 32, dtype=torch.uint8, device="cuda"),
                 torch.empty(1, dtype=torch.float32, device="cuda"))
-        ref = aq.quantize_mxfp8_rows(x)
+        ref = spec.quantize_mxfp8(x.cpu().numpy())
+        ref = (ref.value_bits, ref.e8m0)
     K.quant_rows_kernel[(R,)](x, Kd, *bufs, bufs[2], Kd, 1.0, MODE=0 if act_quant == "nvfp4" else 1,
                               STATIC=False, HAS_NUM_ROWS=False, BLOCK_K=512)
-    for g, r in zip(bufs, ref):
-        view = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
-        assert torch.equal(view(g), view(r))
+    for g, r in zip(bufs, ref):  # E2M1 nibbles / E4M3 or E8M0 scale bytes / fp32 row-scale bits
+        np.testing.assert_array_equal(_raw_bytes(g), r.view(np.uint8))
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes (uint8 numpy, same leading shape), whatever its dtype."""
+    t = t.cpu().contiguous()
+    return t.view(torch.uint8).numpy() if t.dtype != torch.float32 else t.numpy().view(np.uint8)

@@ -16,6 +16,11 @@ from .. import formats
 from ..moe_details.weights import ExpertWeights, NVFP4MoEWeights, gate_up_scale_2, validate_modelopt
 
 
+# H and I of the FP4 modes: whole 64-wide K tiles for tl.dot_scaled (GEMM1 runs K = H, GEMM2 K = I)
+# with no masks on the K loop. Stricter than W4A16's NVFP4 block of 16; enforced in from_modelopt.
+FP4_SHAPE_MULTIPLE = 64
+
+
 class E8M0RecoveryError(ValueError):
     """An NVFP4 matrix whose blocks are not exactly MXFP4 (refused for act_quant="mxfp8")."""
 
@@ -118,10 +123,19 @@ class FP4MMAWeights(ExpertWeights):
     ) -> "FP4MMAWeights":
         """SGLang's ModelOpt NVFP4 MoE tensors (shapes as NVFP4MoEWeights.from_modelopt; scales
         float8_e4m3fn or their uint8 bits, w13_scale_2 [E, 2] or [E]). Validated through
-        NVFP4MoEWeights' checks; the inputs are not modified."""
+        NVFP4MoEWeights' checks; the inputs are not modified. H and I must be multiples of 64
+        (FP4_SHAPE_MULTIPLE): ValueError naming the one that is not, otherwise."""
         E, I, H = validate_modelopt(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
-        if H % 64 or I % 64:
-            raise ValueError(f"FP4MMAWeights: H = {H} and I = {I} must be multiples of 64 for the FP4 MMA kernels")
+        sizes = (("hidden size H", H), ("intermediate size I", I))
+        bad = [f"{name} = {v}" for name, v in sizes if v % FP4_SHAPE_MULTIPLE]
+        if bad:
+            raise ValueError(
+                f"FP4MMAWeights: {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a multiple of "
+                f"{FP4_SHAPE_MULTIPLE}: the FP4 tensor-core "
+                f"modes (act_quant 'nvfp4' / 'mxfp8') need H and I multiples of {FP4_SHAPE_MULTIPLE} (whole "
+                f"{FP4_SHAPE_MULTIPLE}-wide K tiles of the block-scaled MMA, no masks on the K loop); W4A16 "
+                "(act_quant 'none') takes multiples of 16"
+            )
         w13_scale = w13_scale.view(torch.float8_e4m3fn) if w13_scale.dtype == torch.uint8 else w13_scale
         w2_scale = w2_scale.view(torch.float8_e4m3fn) if w2_scale.dtype == torch.uint8 else w2_scale
         s13 = gate_up_scale_2(w13_scale_2, E).float()
