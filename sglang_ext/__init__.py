@@ -6,10 +6,14 @@ kernels are imported only inside :func:`register` and at model-load/forward time
 """
 
 BACKEND_NAME = "triton_situ"
+# The slow-but-exact arm: the same MoE in plain torch from the checkpoint's own tensors
+# (kernels/moe_torch_backend.py), for accuracy debugging and server A/Bs.
+REFERENCE_BACKEND_NAME = "torch_reference"
 
 
 def register() -> None:
-    """Plugin entry point: register ``--moe-runner-backend triton_situ`` and its hooks.
+    """Plugin entry point: register ``--moe-runner-backend triton_situ`` / ``torch_reference``
+    and their hooks.
 
     Idempotent. See :mod:`k3nvfp4.sglang_ext.plugin` for what is registered.
     """
@@ -18,4 +22,4 @@ def register() -> None:
     _register()
 
 
-__all__ = ["BACKEND_NAME", "register"]
+__all__ = ["BACKEND_NAME", "REFERENCE_BACKEND_NAME", "register"]

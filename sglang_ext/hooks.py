@@ -5,6 +5,8 @@ behaviour only for:
 - backend ``triton_situ``: lift the Blackwell-only check (SM80+), skip the placeholder
   swizzled scales, keep the checkpoint's linear block scales and build ``NVFP4MoEWeights``
   once after loading, route ``apply`` to the runner core;
+- backend ``torch_reference``: the same, on any device, except that after loading the layer
+  keeps SGLang's ModelOpt tensors as loaded (no kernel layout; hooks_reference.py);
 - backend ``marlin`` with activation ``situ``: let ``apply`` past SGLang 0.5.23's activation
   assert (marlin's fused path supports gated SiTU and forwards gemm1_alpha/clamp_limit).
 Every other backend and quantization method runs SGLang's code unchanged.
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import BACKEND_NAME
+from . import BACKEND_NAME, REFERENCE_BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,16 @@ _logged_active = False
 def is_triton_situ(backend: Any) -> bool:
     """Whether a MoeRunnerBackend(-like) value or name is this plugin's backend."""
     return backend is not None and getattr(backend, "value", backend) == BACKEND_NAME
+
+
+def is_torch_reference(backend: Any) -> bool:
+    """Whether a MoeRunnerBackend(-like) value or name is the plugin's torch_reference backend."""
+    return backend is not None and getattr(backend, "value", backend) == REFERENCE_BACKEND_NAME
+
+
+def is_plugin_backend(backend: Any) -> bool:
+    """triton_situ or torch_reference: a backend whose layers this plugin prepares and runs."""
+    return is_triton_situ(backend) or is_torch_reference(backend)
 
 
 def _selected_backend(method: Any) -> Any:
@@ -78,12 +90,15 @@ def check_device_supported() -> None:
 
 
 def init_hook(original_fn, self, quant_config, *args, **kwargs):
-    """SGLang allows NVFP4 MoE off Blackwell only for marlin; triton_situ runs on SM80+."""
+    """SGLang allows NVFP4 MoE off Blackwell only for marlin; triton_situ runs on SM80+,
+    torch_reference anywhere torch does."""
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
 
-    if not is_triton_situ(get_moe_runner_backend()):
+    backend = get_moe_runner_backend()
+    if not is_plugin_backend(backend):
         return original_fn(self, quant_config, *args, **kwargs)
-    check_device_supported()
+    if is_triton_situ(backend):
+        check_device_supported()
     from sglang.srt.runtime_context import get_platform, override_platform
 
     if get_platform().is_blackwell:
@@ -127,7 +142,7 @@ def create_weights_hook(
     """Validate the shard and drop SGLang's swizzled-scale placeholders (unused here)."""
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
 
-    if not is_triton_situ(get_moe_runner_backend()):
+    if not is_plugin_backend(get_moe_runner_backend()):
         return original_fn(
             self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
             **extra_weight_attrs,
@@ -175,19 +190,23 @@ def build_layer_weights(layer: Any) -> Any:
     )
 
 
-def prepare_layer_for_triton_situ(layer: Any) -> Any:
-    """Replaces SGLang's NVFP4 post-load processing for triton_situ; returns the weights."""
+def check_modelopt_layer_supported(layer: Any, backend: str = BACKEND_NAME) -> None:
+    """What both plugin backends refuse in a ModelOpt NVFP4 layer (``backend`` names it)."""
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
 
     if getattr(layer, "inference_moe_w13_interleaved", False):
         raise NotImplementedError(
-            f"{BACKEND_NAME}: interleaved w13 checkpoints are not supported (gate rows, then up rows)"
+            f"{backend}: interleaved w13 checkpoints are not supported (gate rows, then up rows)"
         )
     if get_moe_a2a_backend().is_megamoe():
-        raise NotImplementedError(f"{BACKEND_NAME} does not run under the MegaMoE a2a backend")
+        raise NotImplementedError(f"{backend} does not run under the MegaMoE a2a backend")
     if not layer.moe_runner_config.is_gated:
-        raise NotImplementedError(f"{BACKEND_NAME} runs gated MoE only")
+        raise NotImplementedError(f"{backend} runs gated MoE only")
 
+
+def prepare_layer_for_triton_situ(layer: Any) -> Any:
+    """Replaces SGLang's NVFP4 post-load processing for triton_situ; returns the weights."""
+    check_modelopt_layer_supported(layer)
     weights = set_kernel_weights(layer, build_layer_weights(layer))
     layer.w13_blockscale_swizzled = None
     layer.w2_blockscale_swizzled = None
@@ -259,7 +278,13 @@ def log_active_once(layer: Any, weights: Any, source: str) -> None:
 
 
 def process_weights_hook(original_fn, self, layer):
-    if not is_triton_situ(_selected_backend(self)):
+    backend = _selected_backend(self)
+    if is_torch_reference(backend):
+        from .hooks_reference import prepare_modelopt_layer_for_reference
+
+        prepare_modelopt_layer_for_reference(layer)
+        return None
+    if not is_triton_situ(backend):
         return original_fn(self, layer)
     prepare_layer_for_triton_situ(layer)
     return None
@@ -273,6 +298,10 @@ def apply_hook(original_fn, self, layer, dispatch_output):
     activation = self.moe_runner_config.activation
     if is_triton_situ(backend):
         return run_triton_situ(self, layer, dispatch_output)
+    if is_torch_reference(backend):
+        from .hooks_reference import run_torch_reference
+
+        return run_torch_reference(self, layer, dispatch_output)
     if (
         backend is not None
         and backend.is_marlin()

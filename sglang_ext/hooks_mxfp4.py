@@ -14,7 +14,9 @@ before any scheme). Its ``create_moe_runner`` knows no registered backend, and i
   bit-exact to the cast's NVFP4 values), then the checkpoint-layout tensors are freed;
 - ``create_moe_runner`` / ``apply``: the ``triton_situ`` runner core, as for ModelOpt NVFP4.
 
-Every other backend (marlin, flashinfer_mxfp4, triton_kernel, ...) runs SGLang's code unchanged.
+Backend ``torch_reference`` takes the same hooks, without the device check, and keeps the loaded
+MXFP4 tensors as they are (hooks_reference.py). Every other backend (marlin, flashinfer_mxfp4,
+triton_kernel, ...) runs SGLang's code unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from .hooks import (
     check_device_supported,
     check_shard_shapes,
     free_checkpoint_params,
+    is_plugin_backend,
+    is_torch_reference,
     is_triton_situ,
     log_active_once,
     set_kernel_weights,
@@ -40,14 +44,19 @@ _E8M0_ONE = 127
 _MXFP4_PARAMS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 
 
-def _backend_is_ours() -> bool:
+def _global_backend() -> Any:
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
 
-    return is_triton_situ(get_moe_runner_backend())
+    return get_moe_runner_backend()
+
+
+def _backend_is_ours() -> bool:
+    """triton_situ or torch_reference (both take the checkpoint's own shapes)."""
+    return is_plugin_backend(_global_backend())
 
 
 def init_hook(original_fn, self, *args, **kwargs):
-    if _backend_is_ours():
+    if is_triton_situ(_global_backend()):
         check_device_supported()
     return original_fn(self, *args, **kwargs)
 
@@ -106,20 +115,31 @@ def build_layer_weights_mxfp4(layer: Any) -> Any:
     )
 
 
-def process_weights_hook(original_fn, self, layer):
-    if not _backend_is_ours():
-        return original_fn(self, layer)
+def check_mxfp4_layer_supported(method: Any, layer: Any, backend: str = BACKEND_NAME) -> None:
+    """What both plugin backends refuse in an MXFP4 layer (``backend`` names it)."""
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
 
-    if getattr(self, "moe_runner_config", None) is not None and not self.moe_runner_config.is_gated:
-        raise NotImplementedError(f"{BACKEND_NAME} runs gated MoE only")
+    if getattr(method, "moe_runner_config", None) is not None and not method.moe_runner_config.is_gated:
+        raise NotImplementedError(f"{backend} runs gated MoE only")
     if getattr(layer.moe_runner_config, "gate_up_interleaved", False):
         raise NotImplementedError(
-            f"{BACKEND_NAME}: interleaved w13 (gate/up alternating rows) is not supported; Kimi-K3 "
+            f"{backend}: interleaved w13 (gate/up alternating rows) is not supported; Kimi-K3 "
             "loads w1 rows then w3 rows"
         )
     if get_moe_a2a_backend().is_megamoe():
-        raise NotImplementedError(f"{BACKEND_NAME} does not run under the MegaMoE a2a backend")
+        raise NotImplementedError(f"{backend} does not run under the MegaMoE a2a backend")
+
+
+def process_weights_hook(original_fn, self, layer):
+    backend = _global_backend()
+    if is_torch_reference(backend):
+        from .hooks_reference import prepare_mxfp4_layer_for_reference
+
+        prepare_mxfp4_layer_for_reference(self, layer)
+        return None
+    if not is_triton_situ(backend):
+        return original_fn(self, layer)
+    check_mxfp4_layer_supported(self, layer)
     weights = set_kernel_weights(layer, build_layer_weights_mxfp4(layer))
     free_checkpoint_params(layer, weights, _MXFP4_PARAMS)
     log_active_once(layer, weights, source="MXFP4 (E8M0 scales per 32, read directly)")
@@ -138,7 +158,12 @@ def create_moe_runner_hook(original_fn, self, layer, moe_runner_config):
 
 
 def apply_hook(original_fn, self, layer, dispatch_output):
-    if not is_triton_situ(getattr(getattr(self, "runner", None), "runner_backend", None)):
+    backend = getattr(getattr(self, "runner", None), "runner_backend", None)
+    if is_torch_reference(backend):
+        from .hooks_reference import run_torch_reference
+
+        return run_torch_reference(self, layer, dispatch_output)
+    if not is_triton_situ(backend):
         return original_fn(self, layer, dispatch_output)
     from .hooks import run_triton_situ
 

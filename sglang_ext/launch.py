@@ -33,7 +33,8 @@ MULTI_NODE_ENV = (
     "export NCCL_IB_GID_INDEX=7 NCCL_IB_DISABLE=0 NCCL_NVLS_ENABLE=0 NCCL_CROSS_NIC=0",
     "export PATH=/path/to/venv/bin:$PATH",
 )
-BACKENDS = ("triton_situ", "marlin")
+# torch_reference: the plugin's plain-torch MoE (slow, exact), the reference arm of accuracy A/Bs.
+BACKENDS = ("triton_situ", "marlin", "torch_reference")
 
 
 @dataclass(frozen=True)

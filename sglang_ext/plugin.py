@@ -1,9 +1,11 @@
 """What :func:`k3nvfp4.sglang_ext.register` does in each SGLang process.
 
-1. ``--moe-runner-backend triton_situ``: the argparse choice (add_moe_runner_backend_choices)
-   and the runner-core factory (register_moe_runner_core).
+1. ``--moe-runner-backend triton_situ`` (the Triton kernels) and ``torch_reference`` (the same
+   MoE in plain torch, reference_runner.py): their argparse choices
+   (add_moe_runner_backend_choices) and runner-core factories (register_moe_runner_core).
 2. HookRegistry AROUND hooks on ModelOptNvFp4FusedMoEMethod (hooks.py: the cast NVFP4
-   checkpoint) and on Mxfp4MoEMethod (hooks_mxfp4.py: the MXFP4 release, read directly);
+   checkpoint) and on Mxfp4MoEMethod (hooks_mxfp4.py: the MXFP4 release, read directly), for
+   both backends (hooks_reference.py: what torch_reference keeps at load and runs);
    SGLang's ``load_plugins()`` applies them right after the plugins ran.
 3. ``K3NVFP4_LOAD_TIMEOUT_S`` -> SGLang's unbalanced-loading timeout (see load_timeout.py).
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from . import BACKEND_NAME
+from . import BACKEND_NAME, REFERENCE_BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +52,21 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES, add_moe_runner_backend_choices
 
+    from .reference_runner import make_reference_runner_core
     from .runner import make_runner_core
 
-    # add_moe_runner_backend_choices is list.extend: guard it to stay idempotent.
-    if BACKEND_NAME not in MOE_RUNNER_BACKEND_CHOICES:
-        add_moe_runner_backend_choices([BACKEND_NAME])
-    if BACKEND_NAME not in _CUSTOM_RUNNER_CORE_FACTORIES:
-        register_moe_runner_core(BACKEND_NAME, make_runner_core)
+    for name, factory in ((BACKEND_NAME, make_runner_core), (REFERENCE_BACKEND_NAME, make_reference_runner_core)):
+        # add_moe_runner_backend_choices is list.extend: guard it to stay idempotent.
+        if name not in MOE_RUNNER_BACKEND_CHOICES:
+            add_moe_runner_backend_choices([name])
+        if name not in _CUSTOM_RUNNER_CORE_FACTORIES:
+            register_moe_runner_core(name, factory)
     for target, hook in all_hooks():
         HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True
     logger.info(
-        "k3nvfp4: registered --moe-runner-backend %s%s",
+        "k3nvfp4: registered --moe-runner-backend %s and %s%s",
         BACKEND_NAME,
+        REFERENCE_BACKEND_NAME,
         "" if timeout_s is None else f"; UNBALANCED_MODEL_LOADING_TIMEOUT_S={timeout_s:g}",
     )

@@ -44,25 +44,26 @@ class SituParams:
     situ_linear_beta: float | None
 
 
-def situ_params_from_config(config: MoeRunnerConfig) -> SituParams:
-    """Map MoeRunnerConfig (gemm1_alpha = beta, gemm1_clamp_limit = linear_beta) to kernel args."""
+def situ_params_from_config(config: MoeRunnerConfig, backend: str = BACKEND_NAME) -> SituParams:
+    """Map MoeRunnerConfig (gemm1_alpha = beta, gemm1_clamp_limit = linear_beta) to kernel args;
+    ``backend`` names the backend in the errors."""
     if not config.is_gated:
-        raise NotImplementedError(f"{BACKEND_NAME} runs gated MoE only (got is_gated=False)")
+        raise NotImplementedError(f"{backend} runs gated MoE only (got is_gated=False)")
     activation = config.activation
     if activation not in SUPPORTED_ACTIVATIONS:
         raise ValueError(
-            f"{BACKEND_NAME} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}"
+            f"{backend} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}"
         )
     if config.gemm1_beta is not None or config.swiglu_limit is not None:
         raise NotImplementedError(
-            f"{BACKEND_NAME} does not implement gemm1_beta/swiglu_limit "
+            f"{backend} does not implement gemm1_beta/swiglu_limit "
             f"(got {config.gemm1_beta=}, {config.swiglu_limit=})"
         )
     if activation == "silu":
         if config.gemm1_alpha is not None or config.gemm1_clamp_limit is not None:
             # SGLang treats silu + alpha/limit as the GPT-OSS SwiGLU variant.
             raise NotImplementedError(
-                f"{BACKEND_NAME} implements plain SiLU-and-mul; SwiGLU with gemm1_alpha/"
+                f"{backend} implements plain SiLU-and-mul; SwiGLU with gemm1_alpha/"
                 "gemm1_clamp_limit is not supported"
             )
         return SituParams("silu", DEFAULT_SITU_BETA, None)

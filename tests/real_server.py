@@ -31,6 +31,12 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disabl
 # requires the overlap scheduler off), and fp16 (Triton's interpreter has no bf16 scalars:
 # "InterpreterBuilder has no attribute get_bf16" in SGLang's FLA kernels).
 K3_CPU_FLAGS = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule", "--dtype", "float16")
+# Several K3 servers starting at once on one host (tests/test_real_server_k3.py). SGLang sizes its
+# pools from the host memory it sees free before and after loading; with the CPU_FLAGS fraction
+# (0.05) what another server takes meanwhile leaves it "negative memory" for the KDA state cache
+# (kv_cache_configurator._handle_max_mamba_cache raises). Half the host as headroom, and a fixed
+# small KDA state pool, so that the pool is not sized from that half.
+K3_SHARED_HOST_FLAGS = ("--mem-fraction-static", "0.5", "--max-mamba-cache-size", "64")
 WORDS = tuple(f"w{i:03d}" for i in range(240))  # the tiny tokenizer's words: distinct, readable
 
 

@@ -231,7 +231,8 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
         if ca.tokens is not None and cb.tokens is not None:
             ag = token_agreement(ca.tokens, cb.tokens)
             agreements.append(ag)
-            row.update(first_divergence=ag.first_divergence, tokens_a=ag.n_tokens_a, tokens_b=ag.n_tokens_b)
+            row.update(first_divergence=ag.first_divergence, tokens_a=ag.n_tokens_a, tokens_b=ag.n_tokens_b,
+                       max_abs_dlogprob=ag.dlogprob_max if ag.dlogprob_n else None)
         per_prompt.append(row)
     greedy = {"baseline_arm": a, "other_arm": b, "prompts": len(prompts),
               "final_answer_match_rate": matches / len(prompts),
@@ -284,6 +285,7 @@ def summary_markdown(rep: ServeABReport) -> str:
                  ["median first-divergence position", g["median_first_divergence"]],
                  ["top-1 token agreement (aligned positions)", fmt(g["top1_agreement"], ".4f")],
                  ["mean abs delta logprob", fmt(g["mean_abs_dlogprob"], ".3g")],
+                 ["max abs delta logprob", fmt(g["max_abs_dlogprob"], ".3g")],
                  ["mean top-k KL (nats, approx.)", fmt(g["mean_topk_kl"], ".3g")],
                  ["aligned positions", g["aligned_positions"]],
              ]), "", "## Accuracy (pass@1 over seeds)", ""]

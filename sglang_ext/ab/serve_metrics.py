@@ -10,7 +10,7 @@ Definitions (also written into every report):
   (argmax of top_logprobs, falling back to the generated token) is the same.
 - |delta logprob|: at an aligned position, |lp_A(t) - lp_B(t)| for A's generated token t, with
   lp_B(t) looked up in B's top_logprobs; positions where t is not among B's top-k are skipped
-  (counted as `dlogprob_missing`).
+  (counted as `dlogprob_missing`). Reported as its mean and its maximum over those positions.
 - top-k KL(A||B): KL between coarse-grained distributions over S = A's returned top-k tokens plus
   one "rest" bucket: p_rest = 1 - sum_S p_A, q_rest = 1 - sum_S q_B. Tokens of S absent from B's
   top-k get q = B's smallest returned probability (an upper bound of their true value).
@@ -42,6 +42,7 @@ class TokenAgreement:
     dlogprob_missing: int
     kl_sum: float
     kl_n: int
+    dlogprob_max: float = 0.0
 
 
 def _top1(t: TokenLogprob) -> str:
@@ -80,7 +81,7 @@ def token_agreement(a: list[TokenLogprob], b: list[TokenLogprob]) -> TokenAgreem
     d = first_divergence([t.token for t in a], [t.token for t in b])
     n_aligned = min(len(a), len(b)) if d is None else min(d + 1, len(a), len(b))
     agree = 0
-    dsum, dn, dmiss = 0.0, 0, 0
+    dsum, dn, dmiss, dmax = 0.0, 0, 0, 0.0
     ksum, kn = 0.0, 0
     for i in range(n_aligned):
         ta, tb = a[i], b[i]
@@ -90,11 +91,12 @@ def token_agreement(a: list[TokenLogprob], b: list[TokenLogprob]) -> TokenAgreem
             dmiss += 1
         else:
             dsum += abs(ta.logprob - lq)
+            dmax = max(dmax, abs(ta.logprob - lq))
             dn += 1
         if ta.top:
             ksum += topk_kl(ta.top, tb.top)
             kn += 1
-    return TokenAgreement(len(a), len(b), d, n_aligned, agree, dsum, dn, dmiss, ksum, kn)
+    return TokenAgreement(len(a), len(b), d, n_aligned, agree, dsum, dn, dmiss, ksum, kn, dmax)
 
 
 def summarize_agreements(items: list[TokenAgreement]) -> dict:
@@ -111,6 +113,7 @@ def summarize_agreements(items: list[TokenAgreement]) -> dict:
         "aligned_positions": aligned,
         "top1_agreement": (sum(x.top1_agree for x in items) / aligned) if aligned else None,
         "mean_abs_dlogprob": (sum(x.dlogprob_sum for x in items) / dn) if dn else None,
+        "max_abs_dlogprob": max(x.dlogprob_max for x in items) if dn else None,
         "dlogprob_missing": sum(x.dlogprob_missing for x in items),
         "mean_topk_kl": (sum(x.kl_sum for x in items) / kn) if kn else None,
     }
