@@ -301,7 +301,9 @@ def fp4_gemm1_kernel(
       OUT_F32: fp32 [max_padded, I] to of (quantized afterwards by quant_rows_kernel), or
       MODE 0: NVFP4 with the static row scale inter_scale -> o packed [max_padded, I/2], os E4M3
               [max_padded, I/16];  MODE 1: MXFP8 -> o E4M3 [max_padded, I], os E8M0 [max_padded, I/32].
-    Padding rows are not stored.
+    Padding rows are stored too (computed from token 0: finite), as in the W4A16 family: GEMM2
+    and the row quantizer read whole blocks unmasked, and an unwritten row would feed them
+    whatever the allocator left there (NaN / inf bytes: 0/0 and inf x 0 on lanes never stored).
     """
     pid_b, pid_n, pid_k, used = block_program(num_padded_ptr, BLOCK_M)
     if not used:
@@ -341,38 +343,50 @@ def fp4_gemm1_kernel(
         if not split_k_arrive(part, g, u, ok_m & ok_n, I, tickets_ptr, pid_b, pid_n, pid_k, BLOCK_M, SPLIT_K):
             return
         g, u = split_k_sum(part, ok_m & ok_n, I, g, u, BLOCK_M, SPLIT_K)
-    act = _as_mn(gated_act(g, u, beta, linear_beta, ACT, HAS_LINEAR_BETA), SWAP_AB)
     rows = offs_m.to(tl.int64)[:, None]
     if OUT_F32:
-        tl.store(of_ptr + rows * I + offs_n[None, :], act, mask=valid[:, None] & n_ok[None, :])
-    elif BLOCK_N > 64:  # quantized in two column halves: fewer registers live (128 x 128 MXFP8 spilled)
-        a0, a1 = tl.split(tl.permute(tl.reshape(act, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        _store_quantized(a0, pid_n * BLOCK_N, o_ptr, os_ptr, rows, valid, I, inter_scale, MODE, BLOCK_M, BLOCK_N // 2)
-        _store_quantized(a1, pid_n * BLOCK_N + BLOCK_N // 2, o_ptr, os_ptr, rows, valid, I, inter_scale, MODE,
-                         BLOCK_M, BLOCK_N // 2)
+        act = _as_mn(gated_act(g, u, beta, linear_beta, ACT, HAS_LINEAR_BETA), SWAP_AB)
+        tl.store(of_ptr + rows * I + offs_n[None, :], act, mask=n_ok[None, :])
+    elif BLOCK_N > 64:
+        # Activated and quantized in two column halves: fewer registers live at once (128 x 128
+        # spilled, MXFP8 first, then both modes once tanh gained its small-|x| polynomial).
+        g0, g1 = _column_halves(_as_mn(g, SWAP_AB), BLOCK_M, BLOCK_N)
+        u0, u1 = _column_halves(_as_mn(u, SWAP_AB), BLOCK_M, BLOCK_N)
+        _store_quantized(gated_act(g0, u0, beta, linear_beta, ACT, HAS_LINEAR_BETA), pid_n * BLOCK_N, o_ptr,
+                         os_ptr, rows, I, inter_scale, MODE, BLOCK_M, BLOCK_N // 2)
+        _store_quantized(gated_act(g1, u1, beta, linear_beta, ACT, HAS_LINEAR_BETA), pid_n * BLOCK_N + BLOCK_N // 2,
+                         o_ptr, os_ptr, rows, I, inter_scale, MODE, BLOCK_M, BLOCK_N // 2)
     else:
-        _store_quantized(act, pid_n * BLOCK_N, o_ptr, os_ptr, rows, valid, I, inter_scale, MODE, BLOCK_M, BLOCK_N)
+        act = _as_mn(gated_act(g, u, beta, linear_beta, ACT, HAS_LINEAR_BETA), SWAP_AB)
+        _store_quantized(act, pid_n * BLOCK_N, o_ptr, os_ptr, rows, I, inter_scale, MODE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _store_quantized(x, c0, o_ptr, os_ptr, rows, valid, I, inter_scale, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _column_halves(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] -> its columns 0 .. BLOCK_N/2 and BLOCK_N/2 .. BLOCK_N."""
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _store_quantized(x, c0, o_ptr, os_ptr, rows, I, inter_scale, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
                      C: tl.constexpr):
-    """Quantize intermediate columns c0 .. c0 + C (x fp32 [BLOCK_M, C]) and store them: MODE 0 NVFP4
-    with the static row scale inter_scale (o packed [rows, I/2], os E4M3 [rows, I/16]), MODE 1
-    MXFP8 (o E4M3 [rows, I], os E8M0 [rows, I/32]). Invalid rows and columns past I are not
-    stored (I % 64 == 0: every 16- / 32-block lies wholly before or past I)."""
+    """Quantize intermediate columns c0 .. c0 + C (x fp32 [BLOCK_M, C]) of the given rows (int64
+    [BLOCK_M, 1], padding rows included) and store them: MODE 0 NVFP4 with the static row scale
+    inter_scale (o packed [rows, I/2], os E4M3 [rows, I/16]), MODE 1 MXFP8 (o E4M3 [rows, I], os
+    E8M0 [rows, I/32]). Columns past I are not stored (I % 64 == 0: every 16- / 32-block lies
+    wholly before or past I)."""
     if MODE == 0:
         q, s = _quant_nvfp4(x, inter_scale + tl.zeros((BLOCK_M, 1), dtype=tl.float32), BLOCK_M, C)
         cq = c0 // 2 + tl.arange(0, C // 2)
         c16 = c0 // 16 + tl.arange(0, C // 16)
-        tl.store(o_ptr + rows * (I // 2) + cq[None, :], q, mask=valid[:, None] & (cq < I // 2)[None, :])
-        tl.store(os_ptr + rows * (I // 16) + c16[None, :], s, mask=valid[:, None] & (c16 < I // 16)[None, :])
+        tl.store(o_ptr + rows * (I // 2) + cq[None, :], q, mask=(cq < I // 2)[None, :])
+        tl.store(os_ptr + rows * (I // 16) + c16[None, :], s, mask=(c16 < I // 16)[None, :])
     else:
         q, s = _quant_mxfp8(x, BLOCK_M, C)
         cols = c0 + tl.arange(0, C)
         c32 = c0 // 32 + tl.arange(0, C // 32)
-        tl.store(o_ptr + rows * I + cols[None, :], q, mask=valid[:, None] & (cols < I)[None, :])
-        tl.store(os_ptr + rows * (I // 32) + c32[None, :], s, mask=valid[:, None] & (c32 < I // 32)[None, :])
+        tl.store(o_ptr + rows * I + cols[None, :], q, mask=(cols < I)[None, :])
+        tl.store(os_ptr + rows * (I // 32) + c32[None, :], s, mask=(c32 < I // 32)[None, :])
 
 
 @triton.jit
