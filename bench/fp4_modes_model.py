@@ -26,7 +26,7 @@ MODES = ("nvfp4", "mxfp8")
 FLASHINFER_B200_TP8_US = {1: 31.9, 8: 91.9, 64: 372.0, 128: 386.0}
 
 # Loop costs at commit 1caa373 (instructions per warp-iteration, registers, shared bytes, spill
-# bytes), measured with compile_fp4.compile_fp4_gemm + k3nvfp4.kernels.sass on that commit's
+# bytes), measured with compile_fp4.compile_fp4_gemm + k3nvfp4.kernels.offline.sass on that commit's
 # kernels: key (kind, mode, I, decode). Decode = block_m 16 swap-AB, else block_m 128.
 BEFORE_COMMIT = "1caa373"
 BEFORE_COSTS = {
@@ -76,7 +76,7 @@ def _kernel_cells(k) -> dict:
 def fp4_rows(errors: list[str]) -> list[dict]:
     """Rows of both FP4 modes on B200, TP8 / TP16, B200_M (measured loops, heuristic configs)."""
     from k3nvfp4.kernels import perf_model as pm
-    from k3nvfp4.kernels.moe_fp4_details.compile_fp4 import measure_fp4_gemm
+    from k3nvfp4.kernels.offline.compile_fp4 import measure_fp4_gemm
     from k3nvfp4.kernels.moe_fp4_details.config import FP4MoEConfig
     from k3nvfp4.kernels.moe_fp4_details.costs import tile_key
 

@@ -24,7 +24,11 @@ next to FlashInfer's published K3 TP8 times.
 Writes bench/results/perf-model.json and prints Markdown. Exit 1 when a config of ours cannot
 launch, spills, or misses the loop budget (perf_model.loop_budget) outside the known exceptions
 listed in KNOWN_MISSES, or an FP4 mode's row misses its target (launchable, no spill, <= 4
-launches at M <= 64, at most FlashInfer's published time).
+launches at M <= 64, at most FlashInfer's published time). With --check also when a tile table
+is stale or a row moved against the committed report (report_check.py; bench/README.md says when
+to run it):
+
+  python -P bench/sass_report.py --check --out /tmp/perf-model.json    # compare, keep the committed one
 """
 
 from __future__ import annotations
@@ -146,7 +150,7 @@ class Statics:
         self.errors: list[str] = []
 
     def get(self, kind: str, cfg, shard, arch: int, fmt) -> dict:
-        from k3nvfp4.kernels.moe_details.compile_check import measure_gemm
+        from k3nvfp4.kernels.offline.compile_check import measure_gemm
 
         key = (cfg.gemm(kind), arch, (shard.hidden % cfg.block_k1 == 0, shard.intermediate % cfg.block_k2 == 0), fmt.name)
         if key not in self.cache:
@@ -259,7 +263,7 @@ def flashinfer_section(m_list) -> dict:
 def fp4_mode_rows(arch: int) -> list[dict]:
     """The FP4 tensor-core modes' GEMMs (act_quant nvfp4 / mxfp8) on Blackwell: tcgen05 MMA kind,
     block scaling, no decomposition (no wgmma / mma.sync), registers and spill bytes."""
-    from k3nvfp4.kernels.moe_fp4_details.compile_fp4 import compile_all
+    from k3nvfp4.kernels.offline.compile_fp4 import compile_all
 
     rows = compile_all(arch)
     for r in rows:
@@ -336,7 +340,7 @@ def markdown(result: dict) -> str:
         lines += ["", *b200.markdown(result["b200"]["fp4"], result["b200"]["w4a16"])]
     if result.get("fp4_modes"):
         lines += ["", "FP4 tensor-core modes (`fused_moe_nvfp4(act_quant=...)`), sm_100, K3 TP16 shapes: the MMA "
-                  "each GEMM compiles to (`k3nvfp4.kernels.moe_fp4_details.compile_fp4`):", "",
+                  "each GEMM compiles to (`k3nvfp4.kernels.offline.compile_fp4`):", "",
                   "| kernel | tcgen05.mma | kind | block scale | wgmma / mma.sync | regs | spill B | native |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in result["fp4_modes"]:
@@ -433,6 +437,11 @@ def parse_args(argv=None):
                    help="use the heuristic of git revision REV instead of get_moe_config (before/after)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/perf-model.json)")
     p.add_argument("--write-readme", action="store_true", help="replace the table in bench/README.md")
+    p.add_argument("--check", action="store_true",
+                   help="also the change detectors (report_check.py): stale tile tables, and every row against "
+                        "the committed report; exit 1 naming what moved")
+    p.add_argument("--committed", default=str(REPO / "bench" / "results" / "perf-model.json"),
+                   help="with --check: the report to compare with (default: the committed one)")
     return p.parse_args(argv)
 
 
@@ -500,7 +509,18 @@ def main(argv=None) -> int:
         print("updated bench/README.md")
     fp4_ok = (all(r.get("native") for r in result.get("fp4_modes", []))
               and all(r.get("ok") for r in result.get("b200", {}).get("fp4", [])))
-    return 1 if statics.errors or not fp4_ok or not all(r.get("ok") for r in rows) else 0
+    failed = bool(statics.errors or not fp4_ok or not all(r.get("ok") for r in rows))
+    if args.check:
+        sys.path.insert(0, str(REPO / "bench"))
+        import report_check
+
+        findings = report_check.run_checks(result, pathlib.Path(args.committed))
+        print(f"\n--check against {args.committed}: " + ("nothing moved, no stale table" if not findings else
+                                                           f"{len(findings)} finding(s)"))
+        for f in findings:
+            print(f"  {f}")
+        failed = failed or bool(findings)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from ..common.files import PARTIAL_SUFFIX, copy_file_atomic
 from ..kernels.cast import CastStats, MXFP4Weight, cast_mxfp4_to_nvfp4
 from . import _progress
 from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE
-from .plan import CastPlan, ExpertMatrix, ShardPlan, SourceRef, fingerprint_differences, plan_cast
+from .plan import CastPlan, ExpertMatrix, ShardPlan, ShardTask, SourceRef, fingerprint_differences, plan_cast
 from .quant_config import hf_quant_config, output_config
 from .safetensors_io import CheckpointError, MappedShards, StreamingWriter, read_tensor, write_atomic_text
 from .verify import verify_full, verify_nonlocal, verify_shard
@@ -59,19 +59,6 @@ class CastOptions:
     progress: bool = True
     verify_sample: int = 1  # matrices per shard fully dequantized and compared
     main_process_works: bool = True  # False: only the pool casts (tests exercise the pool path)
-
-
-@dataclass(frozen=True)
-class ShardTask:
-    source: Path
-    output: Path
-    shard: ShardPlan
-    groups: dict  # group -> list[ExpertMatrix], the groups this shard touches
-    num_heads: int | None
-    strict: bool
-    w4a4: bool = False
-    verify_sample: int = 1
-    verify: bool = False  # verify the shard right after writing it (groups inside the shard)
 
 
 class _Files:

@@ -65,6 +65,23 @@ class ShardPlan:
     anchored_groups: list[tuple[int, int, str]] = field(default_factory=list)  # groups counted here
 
 
+@dataclass(frozen=True)
+class ShardTask:
+    """One output shard's work, as sent to a pool worker (cast) and to the verifier: the shard's
+    plan and the expert groups it touches. Lives here, with the plan, so that convert.py and
+    verify.py both import it without importing each other."""
+
+    source: Path
+    output: Path
+    shard: ShardPlan
+    groups: dict  # group -> list[ExpertMatrix], the groups this shard touches
+    num_heads: int | None
+    strict: bool
+    w4a4: bool = False
+    verify_sample: int = 1
+    verify: bool = False  # verify the shard right after writing it (groups inside the shard)
+
+
 @dataclass
 class CastPlan:
     source: Path

@@ -34,8 +34,7 @@ from . import _progress
 from .safetensors_io import DTYPES, ITEMSIZE, CheckpointError, MappedShards, SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
-    from .convert import ShardTask
-    from .plan import ExpertMatrix
+    from .plan import ExpertMatrix, ShardTask
 
 _MAX_EXAMPLES = 5
 

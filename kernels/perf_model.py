@@ -8,7 +8,7 @@ place, for this project's kernels and for its peers (SGLang's marlin MoE, FlashI
 MoE: ``bench/sass_report.py`` maps them onto :func:`predict_kernel`).
 
 Inputs are static: a kernel's hot-loop instruction count, registers and shared memory (from an
-offline compile, ``k3nvfp4.kernels.sass``), the launch config, the shard and M. Routing is assumed
+offline compile, ``k3nvfp4.kernels.offline.sass``), the launch config, the shard and M. Routing is assumed
 uniform: each local expert receives Binomial(M, top_k / E_global) tokens, so under expert
 parallelism only ~E_local / E_global of the (token, slot) pairs are local.
 
@@ -195,7 +195,7 @@ def expected_routing(shard: Shard, M: int, block_m: int) -> RoutingEstimate:
 
 @dataclass(frozen=True)
 class LoopCost:
-    """Static figures of one compiled kernel (offline compile + SASS; see k3nvfp4.kernels.sass)."""
+    """Static figures of one compiled kernel (offline compile + SASS; see k3nvfp4.kernels.offline.sass)."""
 
     instructions_per_iteration: int  # hot K loop, per warp
     num_warps: int

@@ -422,7 +422,7 @@ def offline_launch_check(shape: "TuneShape", arch: int, device_model=None) -> Ca
     memory (register spills), which no shipped config may do. device_model: a perf_model.Device
     (None: the H200 below arch 100, the B200 from 100). Cached per GEMM launch (MoEConfig.gemm)."""
     from . import perf_model
-    from .moe_details.compile_check import measure_gemm
+    from .offline.compile_check import measure_gemm
 
     if device_model is None:
         device_model = perf_model.B200 if arch >= 100 else perf_model.H200

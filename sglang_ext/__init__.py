@@ -5,10 +5,7 @@ schedulers/TP workers, detokenizer). This module stays import-light: SGLang and 
 kernels are imported only inside :func:`register` and at model-load/forward time.
 """
 
-BACKEND_NAME = "triton_situ"
-# The slow-but-exact arm: the same MoE in plain torch from the checkpoint's own tensors
-# (kernels/moe_torch_backend.py), for accuracy debugging and server A/Bs.
-REFERENCE_BACKEND_NAME = "torch_reference"
+from .names import BACKEND_NAME, REFERENCE_BACKEND_NAME
 
 
 def register() -> None:

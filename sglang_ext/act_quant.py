@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import BACKEND_NAME
+from .names import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from . import BACKEND_NAME, REFERENCE_BACKEND_NAME
+from .layer_checks import check_modelopt_layer_supported
+from .names import BACKEND_NAME, REFERENCE_BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -188,20 +189,6 @@ def build_layer_weights(layer: Any) -> Any:
         layer.w2_weight_scale.data,
         layer.w2_weight_scale_2.data,
     )
-
-
-def check_modelopt_layer_supported(layer: Any, backend: str = BACKEND_NAME) -> None:
-    """What both plugin backends refuse in a ModelOpt NVFP4 layer (``backend`` names it)."""
-    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
-
-    if getattr(layer, "inference_moe_w13_interleaved", False):
-        raise NotImplementedError(
-            f"{backend}: interleaved w13 checkpoints are not supported (gate rows, then up rows)"
-        )
-    if get_moe_a2a_backend().is_megamoe():
-        raise NotImplementedError(f"{backend} does not run under the MegaMoE a2a backend")
-    if not layer.moe_runner_config.is_gated:
-        raise NotImplementedError(f"{backend} runs gated MoE only")
 
 
 def prepare_layer_for_triton_situ(layer: Any) -> Any:

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from . import BACKEND_NAME
+from .layer_checks import check_mxfp4_layer_supported
+from .names import BACKEND_NAME
 from .hooks import (
     check_device_supported,
     check_shard_shapes,
@@ -113,21 +114,6 @@ def build_layer_weights_mxfp4(layer: Any) -> Any:
         layer.w2_weight.data,
         layer.w2_weight_scale.data,
     )
-
-
-def check_mxfp4_layer_supported(method: Any, layer: Any, backend: str = BACKEND_NAME) -> None:
-    """What both plugin backends refuse in an MXFP4 layer (``backend`` names it)."""
-    from sglang.srt.layers.moe.utils import get_moe_a2a_backend
-
-    if getattr(method, "moe_runner_config", None) is not None and not method.moe_runner_config.is_gated:
-        raise NotImplementedError(f"{backend} runs gated MoE only")
-    if getattr(layer.moe_runner_config, "gate_up_interleaved", False):
-        raise NotImplementedError(
-            f"{backend}: interleaved w13 (gate/up alternating rows) is not supported; Kimi-K3 "
-            "loads w1 rows then w3 rows"
-        )
-    if get_moe_a2a_backend().is_megamoe():
-        raise NotImplementedError(f"{backend} does not run under the MegaMoE a2a backend")
 
 
 def process_weights_hook(original_fn, self, layer):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import REFERENCE_BACKEND_NAME
+from .layer_checks import check_modelopt_layer_supported, check_mxfp4_layer_supported
+from .names import REFERENCE_BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +27,6 @@ def prepare_modelopt_layer_for_reference(layer: Any) -> Any:
     """Replaces SGLang's NVFP4 post-load processing (no scale swizzle); returns the experts."""
     from k3nvfp4.kernels.moe_torch_backend import ModelOptNVFP4Experts
 
-    from .hooks import check_modelopt_layer_supported
-
     check_modelopt_layer_supported(layer, REFERENCE_BACKEND_NAME)
     experts = ModelOptNVFP4Experts(
         layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data,
@@ -40,8 +39,6 @@ def prepare_modelopt_layer_for_reference(layer: Any) -> Any:
 def prepare_mxfp4_layer_for_reference(method: Any, layer: Any) -> Any:
     """Replaces SGLang's MXFP4 post-load processing; returns the experts."""
     from k3nvfp4.kernels.moe_torch_backend import MXFP4Experts
-
-    from .hooks_mxfp4 import check_mxfp4_layer_supported
 
     check_mxfp4_layer_supported(method, layer, REFERENCE_BACKEND_NAME)
     experts = MXFP4Experts(layer.w13_weight.data, layer.w13_weight_scale.data,

@@ -135,12 +135,26 @@ README_FILES = {
 }
 
 
+# The serve A/B's two arms and their ports (`k3nvfp4-ab serve --print-launch`).
+AB_PORTS = {"marlin": 30000, "triton_situ": 30001}
+
+
+def ab_launch_commands(model_path: str = "/path/to/kimi-k3-nvfp4", *, tp: int = 16, ep: int | None = None,
+                       nnodes: int = 2, host: str = "0.0.0.0", extra_args: str = "") -> dict[str, str]:
+    """The two sglang launch commands the serve A/B expects: one server per MoE backend, the
+    production launch (k3nvfp4.sglang_ext.launch) of the same checkpoint, differing only in
+    --moe-runner-backend and the port. extra_args is appended to both. Both load the k3nvfp4
+    plugin: it registers triton_situ, and with SGLang 0.5.23 it is also what lets NVFP4 marlin
+    past the activation assert for situ."""
+    extra = tuple(shlex.split(extra_args))
+    return {name: one_line(LaunchSpec(model_path, name, tp, ep, nnodes, host, port, extra_args=extra))
+            for name, port in AB_PORTS.items()}
+
+
 def readme_block(name: str) -> str:
     """The fenced block between ``<!-- launch:NAME:begin -->`` and ``<!-- launch:NAME:end -->``."""
     if name == "print-launch":
-        from .ab.serve import launch_commands
-
-        return "```bash\n" + "\n".join(launch_commands(**PRINT_LAUNCH_EXAMPLE).values()) + "\n```\n"
+        return "```bash\n" + "\n".join(ab_launch_commands(**PRINT_LAUNCH_EXAMPLE).values()) + "\n```\n"
     return "```bash\n" + launch_command(README_BLOCKS[name]) + "\n```\n"
 
 

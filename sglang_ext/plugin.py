@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from . import BACKEND_NAME, REFERENCE_BACKEND_NAME
+from .names import BACKEND_NAME, REFERENCE_BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 from sglang.srt.layers.moe.moe_runner.base import DispatchMoeRunnerCore, MoeQuantInfo, MoeRunnerConfig
 from sglang.srt.layers.moe.utils import MoeRunnerBackendLike, resolve_moe_runner_backend
 
-from . import REFERENCE_BACKEND_NAME
+from .names import REFERENCE_BACKEND_NAME
 from .runner import routed_scaling_factor_for_runner, situ_params_from_config
 
 

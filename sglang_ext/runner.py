@@ -20,7 +20,7 @@ from sglang.srt.layers.moe.moe_runner.base import (
 )
 from sglang.srt.layers.moe.utils import MoeRunnerBackendLike, resolve_moe_runner_backend
 
-from . import BACKEND_NAME
+from .names import BACKEND_NAME
 
 SUPPORTED_ACTIVATIONS = ("situ", "silu")
 # SGLang's own default when gemm1_alpha is unset (SituAndMul / moe_forward_native).

@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from . import BACKEND_NAME
+from .names import BACKEND_NAME
 
 
 def plugin_status() -> dict[str, Any]:

@@ -144,9 +144,9 @@ def _mutate(name: str) -> None:
 def _configs(limit: int | None):
     """(label, thunk) of every distinct last-arrival GEMM the heuristics ship at the K3 shards."""
     from k3nvfp4.kernels import perf_model as pm
-    from k3nvfp4.kernels.moe_details import compile_check as cc
+    from k3nvfp4.kernels.offline import compile_check as cc
     from k3nvfp4.kernels.moe_details.config import heuristic_moe_config
-    from k3nvfp4.kernels.moe_fp4_details import compile_fp4 as cf
+    from k3nvfp4.kernels.offline import compile_fp4 as cf
     from k3nvfp4.kernels.moe_fp4_details.config import FP4MoEConfig
 
     seen, out = set(), []

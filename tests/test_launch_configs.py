@@ -1,7 +1,9 @@
 """Every launch config the heuristic ships for the K3 shards, for both checkpoint formats (the
-cast's NVFP4 and the MXFP4 release: the layout's two scale formats), launches, spills nothing and
-meets the loop budget, compiled offline for sm90 (H200: TP8/16/32, EP8/16/32) and sm100 (B200: TP8/16) with
-the Triton that `make test` installs; the static model's tile table matches those compiles.
+cast's NVFP4 and the MXFP4 release: the layout's two scale formats), compiles, launches (shared
+memory, registers), spills nothing and has no I2F/F2F in its hot loop, compiled offline for sm90
+(H200: TP8/16/32, EP8/16/32) and sm100 (B200: TP8/16) with the Triton that `make test` installs.
+Those are correctness on a GPU. The loop budgets, the tile table's freshness and the predictions
+are change detectors: `bench/sass_report.py --check` holds them (bench/README.md).
 
 One subprocess runs bench/sass_report.py without TRITON_INTERPRET (the kernels cannot be compiled
 under the interpreter) over M in powers of two 1..16384, about a minute of compiles.
@@ -36,11 +38,11 @@ def report(tmp_path_factory) -> dict:
     return result
 
 
-def test_every_shipped_config_launches_without_spills_within_budget(report):
+def test_every_shipped_config_launches_without_spills(report):
     from k3nvfp4.kernels import perf_model as pm
 
     sys.path.insert(0, str(REPO / "bench"))
-    from sass_report import CHECKPOINTS, DEVICE_SHARDS, known_miss_bound
+    from sass_report import CHECKPOINTS, DEVICE_SHARDS
 
     rows = report["rows"]
     expected = {(d, c, s, M) for d, shards in DEVICE_SHARDS.items() for c in CHECKPOINTS for s in shards for M in M_LIST}
@@ -57,13 +59,10 @@ def test_every_shipped_config_launches_without_spills_within_budget(report):
                 failures.append(f"{where}: cannot launch ({k['why_not']})")
             if k["local_bytes"]:
                 failures.append(f"{where}: spills {k['local_bytes']} B")
-            bound = known_miss_bound(r["device"], r["shard"], kind, r["M"]) or pm.loop_budget(r["M"])
-            if k["warp_instr_per_useful_weight"] > bound:
-                failures.append(f"{where}: {k['warp_instr_per_useful_weight']:.4f} warp-instr/useful weight > {bound}")
             if k["family_mix"].get("convert", 0):
                 failures.append(f"{where}: I2F/F2F in the loop")
     assert failures == [], "\n".join(failures)
-    assert report["_proc"].returncode == 0, report["_proc"].stdout[-3000:] + report["_proc"].stderr[-3000:]
+    assert report["errors"] == [], report["errors"]
 
 
 def test_padding_free_gemm1_tiles_on_tp_shards(report):
@@ -74,33 +73,14 @@ def test_padding_free_gemm1_tiles_on_tp_shards(report):
             assert (r["shard"] == "tp16" and 192 % bn == 0) or (r["shard"] == "tp32" and 96 % bn == 0), r["config"]
 
 
-def test_tile_table_matches_the_compiles(report):
-    """The heuristic's tile costs (tile_costs.COSTS) are what the compiler produces today: loop
-    instructions, registers and shared memory of every shipped GEMM equal the table's entry
-    (split-K and K tails change the epilogue: registers and instructions may move a little,
-    never the launchability or CTAs per SM the model assumed; GEMM2's entry is the worse of its
-    two reductions, so the shipped one's loop may be shorter)."""
-    from k3nvfp4.kernels import perf_model as pm
-    from k3nvfp4.kernels.moe_details.layout import E5M3_16, E8M0_32
-    from k3nvfp4.kernels.moe_details.tile_costs import Tile, tile_cost
-
-    formats = {"nvfp4": E5M3_16, "mxfp4": E8M0_32}
-    for r in report["rows"]:
-        if "kernels" not in r:
-            continue
-        c = r["config"]
-        arch = pm.DEVICES[r["device"]].arch
-        for k, kind, n in zip(r["kernels"], ("gemm1", "gemm2"), ("1", "2")):
-            tile = Tile(kind, c["block_m"], c["swap_ab"], c[f"block_n{n}"], c[f"block_k{n}"], c[f"num_warps{n}"],
-                        c[f"num_stages{n}"])
-            cost = tile_cost(tile, arch, fmt=formats[r["checkpoint"]])
-            assert cost is not None, f"{tile.label()} not in the table for sm_{arch} {r['checkpoint']}"
-            where = f"{r['device']} {r['checkpoint']} {r['shard']} M={r['M']} {tile.label()} sk{c[f'split_k{n}']}"
-            assert k["shared_bytes"] <= cost.shared_bytes + 1024, where
-            modelled = pm.occupancy(pm.DEVICES[r["device"]], cost.registers, 32 * cost.num_warps, cost.shared_bytes)[0]
-            assert k["ctas_per_sm"] >= modelled, where
-            measured, table = k["instructions_per_iteration"], cost.instructions_per_iteration
-            assert measured <= 1.05 * table, where
-            # GEMM2's entry is the worse of its two top-k reductions (tile_costs): the shipped one
-            # may be cheaper, never dearer. GEMM1 has one compile: it must match.
-            assert kind == "gemm2" or measured >= 0.95 * table, where
+def test_fp4_modes_shipped_configs_launch_without_spills(report):
+    """Both FP4 modes on B200 (TP8 / TP16, the heuristic's pick at each M, compiled): every GEMM
+    launches and spills nothing, and each GEMM kind compiles to the native block-scaled MMA."""
+    rows = report["b200"]["fp4"]
+    assert {r["implementation"] for r in rows} == {"k3nvfp4 nvfp4", "k3nvfp4 mxfp8"}
+    assert {r["shard"] for r in rows} == {"tp8", "tp16"}
+    bad = [f"{r['implementation']} {r['shard']} M={r['M']} {k['config']}: launchable={k['launchable']} "
+           f"spill={k['local_bytes']} B" for r in rows for k in r["kernels"] if not k["launchable"] or k["local_bytes"]]
+    assert bad == [], "\n".join(bad)
+    mma = report["fp4_modes"]
+    assert mma and all(r["native"] and r["local_bytes"] == 0 for r in mma), mma

@@ -12,7 +12,7 @@ import sys
 def test_kernels_compile_for_sm90_with_wgmma_and_pipelining():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-P", "-m", "k3nvfp4.kernels.moe_details.compile_check", "--arch", "90"],
+        [sys.executable, "-P", "-m", "k3nvfp4.kernels.offline.compile_check", "--arch", "90"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -31,7 +31,7 @@ def test_offline_compiles_use_the_bundled_ptxas(monkeypatch):
     not reach the compile, and is restored after it."""
     import triton
 
-    from k3nvfp4.kernels.moe_details import compile_check
+    from k3nvfp4.kernels.offline import compile_check
     from k3nvfp4.kernels.moe_details.config import MoEConfig
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

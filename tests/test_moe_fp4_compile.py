@@ -15,7 +15,7 @@ import pytest
 def _compile(arch: int) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-P", "-m", "k3nvfp4.kernels.moe_fp4_details.compile_fp4", "--arch", str(arch)],
+        [sys.executable, "-P", "-m", "k3nvfp4.kernels.offline.compile_fp4", "--arch", str(arch)],
         capture_output=True, text=True, env=env, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -44,27 +44,16 @@ def test_sm90_decomposes_onto_wgmma(arch):
         assert r["wgmma"] > 0 and r["tcgen05_mma"] == 0, r
 
 
-def test_cost_table_matches_the_kernels_and_picks_launch():
-    """moe_fp4_details/costs.py (the heuristic's model input) is what the kernels compile to
-    today, every tile launches on B200, and what the heuristic picks at the K3 shapes never
-    spills and fills the GPU at M = 1 (GEMM1 split over K)."""
-    import triton
-
-    if not triton.__version__.startswith("3.8"):
-        pytest.skip(f"the table is measured with Triton 3.8 (SGLang's pin); installed {triton.__version__}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from k3nvfp4.kernels.moe_fp4_details import costs; "
-            "print(json.dumps({k: list(v) for k, v in costs.measure().items()}))")
-    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
-
+def test_cost_table_tiles_launch_and_the_heuristic_picks_no_spill():
+    """Every tile of moe_fp4_details/cost_table.py (the heuristic's model input) launches on B200,
+    and what the heuristic picks at the K3 shapes never spills and fills the GPU at M = 1 (GEMM1
+    split over K). That the table is what the kernels compile to today is a change detector:
+    bench/sass_report.py --check re-measures it."""
     from k3nvfp4.kernels import perf_model as pm
-    from k3nvfp4.kernels.moe_fp4_details import costs
+    from k3nvfp4.kernels.moe_fp4_details import cost_table, costs
     from k3nvfp4.kernels.moe_fp4_details.config import FP4MoEConfig
 
-    assert {k: tuple(v) for k, v in measured.items()} == costs.COSTS
-    for key, (_instr, regs, shared, _local) in costs.COSTS.items():
+    for key, (_instr, regs, shared, _local) in cost_table.COSTS.items():
         warps = int(key.split(" w")[1].split()[0])
         assert pm.occupancy(pm.B200, regs, 32 * warps, shared)[0] >= 1, key
     for name in ("tp8", "tp16"):
@@ -84,8 +73,8 @@ def test_fused_routing_and_quantization_launch_compiles(arch):
     """The FP4 modes' first launch (align_small in program 0, quant_row in the others) compiles
     for Hopper and Blackwell without spilling."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from k3nvfp4.kernels import sass; "
-            "from k3nvfp4.kernels.moe_fp4_details.compile_fp4 import compile_route_quant; "
+    code = ("import json; from k3nvfp4.kernels.offline import sass; "
+            "from k3nvfp4.kernels.offline.compile_fp4 import compile_route_quant; "
             f"cs = [compile_route_quant(m, {arch}) for m in ('nvfp4', 'mxfp8')]; "
             "print(json.dumps([sass.resource_usage(c.asm['cubin'])['route_quant_kernel'].local_bytes for c in cs]))")
     proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=900)

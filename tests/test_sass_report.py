@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from k3nvfp4.kernels import sass
+from k3nvfp4.kernels.offline import sass
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -64,8 +64,9 @@ def test_shipped_decode_configs_dequantize_at_the_minimum_on_sm90(tmp_path):
     """bench/sass_report.py on the TP16 and EP16 decode configs (M = 1) of both GEMMs: the hot K
     loop's dequant is exactly 5 rotations and 4 bf16x2 scale products per word of 8 weights, plus
     at most one rotation per 2 words for the 1-byte scales (NVFP4; per 4 words for the MXFP4
-    release's E8M0 per 32), no byte shuffles, no I2F/F2F, no spills, within the loop budget. (Every shard and M, and
-    sm100, are covered by tests/test_launch_configs.py.)"""
+    release's E8M0 per 32), no byte shuffles, no I2F/F2F, no spills: the dequant's design, which a
+    compiler update must not undo. (Every shard and M, and sm100, are covered by
+    tests/test_launch_configs.py; the loop budget is bench/sass_report.py --check's.)"""
     out = tmp_path / "model.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
@@ -86,7 +87,6 @@ def test_shipped_decode_configs_dequantize_at_the_minimum_on_sm90(tmp_path):
         for k in r["kernels"]:
             assert k["mma_per_iteration"] > 0, k
             assert k["local_bytes"] == 0 and k["local_memory_ops_in_loop"] == 0, k
-            assert k["warp_instr_per_useful_weight"] <= 0.10, k
             assert k["family_mix"].get("convert", 0) == 0, k  # no I2F/F2F in the dequant
             words = k["weights_per_iteration"] // k["num_warps"] // 32 // 8  # per thread: 8 weights a word
             assert k["family_mix"]["f16x2"] == 4 * words, k  # one bf16x2 scale product per two weights
@@ -95,4 +95,4 @@ def test_shipped_decode_configs_dequantize_at_the_minimum_on_sm90(tmp_path):
             scale_rotations = k["opcode_mix"].get("SHF.L.W.U32.HI", 0) - 5 * words
             assert 0 <= scale_rotations <= (words // 2 if r["checkpoint"] == "nvfp4" else words // 4), k
             assert k["opcode_mix"].get("PRMT", 0) == 0, k  # no byte shuffles
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert result["errors"] == [], result["errors"]

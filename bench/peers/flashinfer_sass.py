@@ -10,7 +10,7 @@ moe_gemm_template_dispatch_tma_ws_mixed_dtype.h``, post-MMA scale mode for W4A16
 ``sm90_generic_mixed_moe_gemm_kernelLauncher`` (``.../moe_gemm/launchers/
 moe_gemm_tma_ws_mixed_input_launcher.inl``). Paths are inside the installed ``flashinfer``
 package; ``...`` is ``data/csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels``. Same figures
-as ``k3nvfp4.kernels.sass`` reports for our Triton kernels and ``marlin_sass`` for marlin:
+as ``k3nvfp4.kernels.offline.sass`` reports for our Triton kernels and ``marlin_sass`` for marlin:
 warp-instructions of one K-loop pass per FP4 weight it consumes.
 
 How: FlashInfer JIT-builds this module from the CUTLASS sources in its wheel (about 248
@@ -92,7 +92,7 @@ from peers import nvcc_cache  # noqa: E402
 from peers.nvcc_cache import Build, find_nvcc  # noqa: E402,F401  (find_nvcc: used by the tests)
 
 if TYPE_CHECKING:
-    from k3nvfp4.kernels.sass import Instr, Loop
+    from k3nvfp4.kernels.offline.sass import Instr, Loop
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL = "flashinfer_cutlass_w4a16_moe"
@@ -465,7 +465,7 @@ def is_real_hgmma(ins: Instr) -> bool:
 def consumer_loop(instrs: list[Instr], expected_hgmma: int) -> Loop:
     """The mainloop k-tile pass: the smallest backward-branch loop holding exactly the HGMMAs one
     k-tile implies (the tile and persistent loops around it hold the peeled k-tiles too)."""
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     fits = [lp for lp in sass.loops(instrs) if sum(is_real_hgmma(i) for i in lp.instrs) == expected_hgmma]
     if not fits:
@@ -475,7 +475,7 @@ def consumer_loop(instrs: list[Instr], expected_hgmma: int) -> Loop:
 
 def producer_loop(instrs: list[Instr]) -> Loop:
     """The producer's k-tile loop: the smallest loop that issues TMA loads (UTMALDG) and no HGMMA."""
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     fits = [lp for lp in sass.loops(instrs) if any(i.base == "UTMALDG" for i in lp.instrs)
             and not any(i.base == "HGMMA" for i in lp.instrs)]
@@ -498,7 +498,7 @@ def setmaxnreg(instrs: list[Instr]) -> dict[str, int]:
 
 def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int, int, int]) -> dict[str, Any]:
     """Consumer and producer k-tile loops, their counts per weight, and the checked mapping."""
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     m_tile, n_tile, k_tile = tile
     am, an, ak = atom_mnk
@@ -560,7 +560,7 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
     what failed; the caller reports "not available: <reason>"."""
     if arch != 90:
         raise ValueError("only arch=90 (sm_90a) is modelled: the mixed-input grouped GEMM is Hopper-only")
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     nvcc_cache.require_cuobjdump()
     nvcc = find_nvcc()

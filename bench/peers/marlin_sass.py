@@ -6,7 +6,7 @@ weights (``kFE2M1f``), fp8-e4m3 scales per 16 weights (``group_blocks == 1``) an
 global scale -- the kernel ``fused_marlin_moe`` runs for an NVFP4 checkpoint on Hopper -- in the
 tile configurations SGLang's host heuristic picks for the Kimi-K3 shards (TP16: 896 experts,
 H=3584, I=192; EP16: 56 local experts, H=3584, I=3072; top_k=16), for decode (moe_block_size 8)
-and for moe_block_size 64. Same figures as ``k3nvfp4.kernels.sass`` reports for our Triton
+and for moe_block_size 64. Same figures as ``k3nvfp4.kernels.offline.sass`` reports for our Triton
 kernels: warp-instructions of one pass of the K loop per FP4 weight element it consumes, and
 the issue-bound ceiling that implies as a fraction of H200 HBM bandwidth.
 
@@ -28,7 +28,7 @@ which is checked against the HMMA count of the loop.
 Rows: one per (regime, shard, launched tile), measured on that shard's GEMM1 instantiation; the
 GEMM2 instantiation (which differs only in the kZeroInactiveOutput flag) is reported under
 ``call_sites``. The counts are static (every instruction of the loop body once, the
-``k3nvfp4.kernels.sass`` convention); the body's forward branches guard the pipeline-refill
+``k3nvfp4.kernels.offline.sass`` convention); the body's forward branches guard the pipeline-refill
 and A-reload paths, which a steady-state pass executes.
 """
 
@@ -51,7 +51,7 @@ from peers import nvcc_cache  # noqa: E402
 from peers.nvcc_cache import Build, find_nvcc  # noqa: E402,F401  (find_nvcc: used by marlin/build.py and tests)
 
 if TYPE_CHECKING:
-    from k3nvfp4.kernels.sass import Instr, Loop
+    from k3nvfp4.kernels.offline.sass import Instr, Loop
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL = "marlin_moe_nvfp4"
@@ -408,7 +408,7 @@ def expected_mma_per_warp(src: Sources, tile: Tile) -> int:
 def marlin_hot_loop(instrs: list[Instr], expected_mma: int) -> Loop:
     """The K-loop pass: k3nvfp4's hot_loop if its MMA count is the one the template implies,
     else the smallest backward-branch loop holding exactly that many MMAs."""
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     loop = sass.hot_loop(instrs)
     if sass.loop_stats(loop).mma == expected_mma:
@@ -420,7 +420,7 @@ def marlin_hot_loop(instrs: list[Instr], expected_mma: int) -> Loop:
 
 
 def _measure(src: Sources, instrs: list[Instr], tile: Tile) -> dict[str, Any]:
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     exp = expected_mma_per_warp(src, tile)
     loop = marlin_hot_loop(instrs, exp)
@@ -485,7 +485,7 @@ def marlin_statics(arch: int = 90, build_dir: str | os.PathLike = "build/peers/m
     and disassemble them. Raises RuntimeError naming what is missing or what failed."""
     if arch != 90:
         raise ValueError("only arch=90 (sm_90a, H200 device model) is modelled")
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     nvcc_cache.require_cuobjdump()
     src = find_sources()
@@ -518,7 +518,7 @@ def marlin_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/marl
 
     Raises RuntimeError naming what is missing (SGLang's sources, tvm_ffi headers, nvcc, Triton's
     cuobjdump) or what failed; the caller reports "not available: <reason>"."""
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     st = marlin_statics(arch, build_dir)
     src, nvcc, funcs, registers = st.src, st.nvcc, st.funcs, st.registers

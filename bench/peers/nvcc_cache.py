@@ -40,7 +40,7 @@ def find_nvcc() -> tuple[str, str]:
 
 def require_cuobjdump() -> None:
     """RuntimeError unless Triton bundles cuobjdump (the disassembler every peer measurement uses)."""
-    from k3nvfp4.kernels import sass
+    from k3nvfp4.kernels.offline import sass
 
     try:
         sass.tool("cuobjdump")

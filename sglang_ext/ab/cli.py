@@ -84,12 +84,13 @@ def _add_serve(sub) -> None:
 
 
 def _serve(args) -> int:
-    from .serve import ServeConfig, launch_commands, run_serve_ab, summary_markdown
+    from ..launch import ab_launch_commands
+    from .serve import ServeConfig, run_serve_ab, summary_markdown
 
     if args.print_launch or not args.arm:
         try:
-            cmds = launch_commands(args.model_path, tp=args.tp, ep=args.ep, nnodes=args.nnodes,
-                                   extra_args=args.extra_args)
+            cmds = ab_launch_commands(args.model_path, tp=args.tp, ep=args.ep, nnodes=args.nnodes,
+                                      extra_args=args.extra_args)
         except ValueError as e:
             raise ABError(f"serve --print-launch: {e}") from e
         for name, cmd in cmds.items():

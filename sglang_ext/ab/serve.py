@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,23 +25,6 @@ from .errors import ABError
 from .prompts import Prompt, extract_answer, final_answer_key, load_prompts
 from .report import fmt, markdown_table, write_json
 from .serve_metrics import pass_at_1, summarize_agreements, token_agreement
-
-DEFAULT_PORTS = {"marlin": 30000, "triton_situ": 30001}
-
-
-def launch_commands(model_path: str = "/path/to/kimi-k3-nvfp4", *, tp: int = 16, ep: int | None = None,
-                    nnodes: int = 2, host: str = "0.0.0.0", extra_args: str = "") -> dict[str, str]:
-    """The two sglang launch commands the serve A/B expects: one server per MoE backend, the
-    production launch (k3nvfp4.sglang_ext.launch) of the same checkpoint, differing only in
-    --moe-runner-backend and the port. extra_args is appended to both. Both load the k3nvfp4
-    plugin: it registers triton_situ, and with SGLang 0.5.23 it is also what lets NVFP4 marlin
-    past the activation assert for situ."""
-    from ..launch import LaunchSpec, one_line
-
-    extra = tuple(shlex.split(extra_args))
-    return {name: one_line(LaunchSpec(model_path, name, tp, ep, nnodes, host, port, extra_args=extra))
-            for name, port in DEFAULT_PORTS.items()}
-
 
 @dataclass
 class ServeConfig:

@@ -40,7 +40,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import BACKEND_NAME
+from ..names import BACKEND_NAME
 from .ckpt_reader import read_config
 
 PLUGIN_NAME = "k3nvfp4"

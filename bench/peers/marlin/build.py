@@ -32,8 +32,6 @@ import hashlib
 import json
 import os
 import pathlib
-import re
-import shutil
 import subprocess
 import sys
 import time
@@ -45,13 +43,12 @@ REPO_ROOT = HERE.parents[2]
 if str(REPO_ROOT / "bench") not in sys.path:
     sys.path.insert(0, str(REPO_ROOT / "bench"))
 
+from peers.marlin.elf import EXPORTS  # noqa: E402  (the ABI the version script exports)
 from peers import marlin_sass  # noqa: E402  (source discovery and SGLang's JIT flags)
 
 LIB_NAME = "libk3marlin.so"
 DEFAULT_BUILD_DIR = REPO_ROOT / "build" / "peers" / "marlin"
 ARCH = 90
-EXPORTS = ("k3m_abi_version", "k3m_build_info", "k3m_last_error", "k3m_cuda_versions", "k3m_repack_fp4",
-           "k3m_moe_align_block_size", "k3m_moe_align_single_token", "k3m_marlin_gemm", "k3m_moe_topk_sum")
 # SGLang files the units include (beyond kernels/jit/include/sgl_kernel, hashed whole).
 SGLANG_CSRC = ("gemm/marlin_moe/moe_wna16_marlin.cuh", "gemm/marlin_moe/marlin_template.h", "gemm/marlin_moe/kernel.h",
                "gemm/marlin/marlin.cuh", "gemm/marlin/marlin_dtypes.cuh", "gemm/marlin/dequant.h",
@@ -214,37 +211,6 @@ def build(build_dir: str | os.PathLike = DEFAULT_BUILD_DIR, jobs: int | None = N
     info["size_bytes"] = lib.stat().st_size
     sidecar.write_text(json.dumps(info, indent=1) + "\n")
     return BuildResult(lib, False, seconds, info)
-
-
-# --------------------------------------------------------------------------- checks (no GPU needed)
-
-
-def exported_symbols(lib: pathlib.Path) -> list[str]:
-    """Defined dynamic symbols of the library (nm -D --defined-only)."""
-    nm = shutil.which("nm")
-    if nm is None:
-        raise RuntimeError("nm (binutils) not found")
-    out = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True).stdout
-    return sorted(line.split()[-1] for line in out.splitlines() if line.strip() and line.split()[-2] in "TtDdBbRrVvWw")
-
-
-def needed_libraries(lib: pathlib.Path) -> list[str]:
-    """DT_NEEDED entries (readelf -d)."""
-    readelf = shutil.which("readelf")
-    if readelf is None:
-        raise RuntimeError("readelf (binutils) not found")
-    out = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, check=True).stdout
-    return sorted(line.split("[")[1].split("]")[0] for line in out.splitlines() if "(NEEDED)" in line)
-
-
-def max_glibc(lib: pathlib.Path) -> str:
-    """Highest GLIBC_x.y symbol version the library needs (objdump -T)."""
-    objdump = shutil.which("objdump")
-    if objdump is None:
-        raise RuntimeError("objdump (binutils) not found")
-    out = subprocess.run([objdump, "-T", str(lib)], capture_output=True, text=True, check=True).stdout
-    vers = {tuple(int(x) for x in v.split(".")) for v in re.findall(r"\bGLIBC_(2(?:\.\d+)+)\b", out)}
-    return "GLIBC_" + ".".join(map(str, max(vers))) if vers else "none"
 
 
 def main(argv=None) -> int:

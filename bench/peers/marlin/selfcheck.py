@@ -21,7 +21,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:
     sys.path.insert(0, str(HERE.parents[1]))
 
-from peers.marlin import build as _build  # noqa: E402
+from peers.marlin import elf as _elf  # noqa: E402
 from peers.marlin.lib import EARG, ESGLANG, MarlinLib  # noqa: E402
 
 ALLOWED_NEEDED = {"libc.so.6", "ld-linux-x86-64.so.2", "libstdc++.so.6", "libgcc_s.so.1", "libm.so.6",
@@ -89,9 +89,9 @@ def linkage(lib_path: pathlib.Path) -> dict:
     """Exported symbols, DT_NEEDED, glibc requirement (binutils); 'not checked: why' without them."""
     out: dict = {"size_bytes": lib_path.stat().st_size}
     try:
-        out["exports"] = _build.exported_symbols(lib_path)
-        out["needed"] = _build.needed_libraries(lib_path)
-        out["max_glibc"] = _build.max_glibc(lib_path)
+        out["exports"] = _elf.exported_symbols(lib_path)
+        out["needed"] = _elf.needed_libraries(lib_path)
+        out["max_glibc"] = _elf.max_glibc(lib_path)
     except Exception as e:  # binutils may be missing on the GPU machine: reported, not fatal
         out["not_checked"] = f"{type(e).__name__}: {e}"
     return out
@@ -113,8 +113,8 @@ def run_checks(lib_path: str | None = None, cuda_present: bool | None = None) ->
         rep["cuda_versions_error"] = str(e)
     rep["linkage"] = link = linkage(lib.path)
     if "exports" in link:
-        if link["exports"] != sorted(_build.EXPORTS):
-            fail(f"exports {link['exports']} != {sorted(_build.EXPORTS)}")
+        if link["exports"] != sorted(_elf.EXPORTS):
+            fail(f"exports {link['exports']} != {sorted(_elf.EXPORTS)}")
         extra = set(link["needed"]) - ALLOWED_NEEDED
         if extra:
             fail(f"unexpected shared-library dependencies {sorted(extra)} (cudart / tvm-ffi must not be needed)")
@@ -140,7 +140,37 @@ def run_checks(lib_path: str | None = None, cuda_present: bool | None = None) ->
             # past our checks and SGLang's own host checks, stopped by the first CUDA call
             if code != ESGLANG or "CUDA error" not in msg or source not in msg:
                 fail(f"{name} with valid arguments: expected a CUDA error (no device here), got {code}: {msg!r}")
+    if link.get("size_bytes", 0) >= 32 * 2**20:
+        fail(f"{link['size_bytes']} bytes: the library must stay under 32 MiB (it travels in the 64 MiB working tree)")
+    key = rep["build"].get("key") or {}
+    if key.get("arch") != "sm_90a" or not key.get("sglang_version") or not key.get("nvcc_version"):
+        fail(f"build key {key}: expected arch sm_90a with the sglang and nvcc versions")
+    if (rep.get("cuda_runtime") or 0) < 12000:
+        fail(f"CUDA runtime {rep.get('cuda_runtime')} < 12000")
+    rep["wrapper_checks"] = wrapper_failures(lib)
+    rep["failures"] += rep["wrapper_checks"]
     return rep
+
+
+def wrapper_failures(lib: MarlinLib) -> list[str]:
+    """The Python wrapper refuses bad tensors naming them, before any CUDA call."""
+    import torch
+
+    E, K, N = 2, 256, 128
+    t = torch.zeros(E, K // 8, N, dtype=torch.int32)
+    cases = [((t.float(), torch.zeros(E, K // 16, 2 * N, dtype=torch.int32), K, N), "qweight_t: expected dtype torch.int32"),
+             ((t, torch.zeros(E, K // 16, N, dtype=torch.int32), K, N), "out: expected shape (2, 16, 256)"),
+             ((t, torch.zeros(E, K // 16, 2 * N, dtype=torch.int32), K, N), "CUDA device")]
+    out = []
+    for args, expect in cases:
+        try:
+            lib.repack_fp4(*args)
+        except ValueError as e:
+            if expect not in str(e):
+                out.append(f"repack_fp4: expected a ValueError with {expect!r}, got {e}")
+        else:
+            out.append(f"repack_fp4: expected a ValueError with {expect!r}, got no error")
+    return out
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,7 @@ bundled ptxas) and report which MMA the GEMMs got: on sm100 ``tcgen05.mma`` with
 the decomposed ``wgmma``. Used by tests/test_moe_fp4_compile.py and bench/sass_report.py; run it
 with TRITON_INTERPRET unset:
 
-    python -P -m k3nvfp4.kernels.moe_fp4_details.compile_fp4 --arch 100
+    python -P -m k3nvfp4.kernels.offline.compile_fp4 --arch 100
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import re
 import sys
 
-from ..moe_details.compile_check import _require_compiler, compile_kernel
+from .compile_check import _require_compiler, compile_kernel
 
 
 def compile_fp4_gemm(kind: str, act_quant: str, config, H: int, I: int, top_k: int, arch: int = 100,
@@ -23,7 +23,7 @@ def compile_fp4_gemm(kind: str, act_quant: str, config, H: int, I: int, top_k: i
     skeleton's top-k combine) of one FP4 mode at one FP4MoEConfig (its split-K included) for
     sm<arch>. Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
     _require_compiler()
-    from . import kernels as K
+    from ..moe_fp4_details import kernels as K
 
     mode = {"nvfp4": K.MODE_NVFP4, "mxfp8": K.MODE_MXFP8}[act_quant]
     nv = mode == K.MODE_NVFP4
@@ -55,8 +55,8 @@ def measure_fp4_gemm(kind: str, act_quant: str, config, H: int = 3584, I: int = 
     (perf_model.LoopCost) and the details."""
     from dataclasses import replace
 
-    from .. import sass
-    from ..moe_details.compile_check import loop_statics
+    from . import sass
+    from .compile_check import loop_statics
 
     K_dim = H if kind == "gemm1" else I
     bk = config.block_k1 if kind == "gemm1" else config.block_k2
@@ -79,7 +79,7 @@ def compile_route_quant(act_quant: str, arch: int = 100, H: int = 3584, E: int =
     quantization in the others) for sm<arch>. Returns Triton's CompiledKernel."""
     _require_compiler()
     from ..moe_details.routing import SMALL_NUM_WARPS
-    from . import kernels as K
+    from ..moe_fp4_details import kernels as K
 
     nv = act_quant == "nvfp4"
     args = dict(topk_ids_ptr="*i32", sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
@@ -111,7 +111,7 @@ def mma_summary(compiled) -> dict:
 
 def resource_summary(compiled) -> dict:
     """Registers and local-memory (spill) bytes of the GEMM, from the cubin (cuobjdump)."""
-    from .. import sass
+    from . import sass
 
     usage = sass.resource_usage(compiled.asm["cubin"])
     name = next(n for n in usage if "gemm" in n)
@@ -132,7 +132,7 @@ def compile_all(arch: int = 100, H: int = 3584, I: int = 192, top_k: int = 16) -
     """GEMM1 and GEMM2 of both FP4 modes at the CONFIGS, K3 TP16 shapes by default."""
     import triton
 
-    from .config import FP4MoEConfig
+    from ..moe_fp4_details.config import FP4MoEConfig
 
     out = []
     for act_quant in ("nvfp4", "mxfp8"):

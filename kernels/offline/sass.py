@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from .perf_model import H200
+from ..perf_model import H200
 
 # The H200's warp-instruction issue rate over the FP4 weights (2 per byte) its HBM spec streams:
 # ~0.109 warp-instructions per weight (one device record for everything: perf_model.H200).

@@ -3,7 +3,7 @@ with the bundled ptxas), with the specialisations a real K3 launch gets (ints di
 aligned pointers, unit strides as constants). Reports whether the GEMMs use wgmma and cp.async
 pipelining. Used by tests/test_moe_compile.py; run it with TRITON_INTERPRET unset:
 
-    python -P -m k3nvfp4.kernels.moe_details.compile_check [--arch 90]
+    python -P -m k3nvfp4.kernels.offline.compile_check [--arch 90]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def compile_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     _require_compiler()
     import triton.language as tl
 
-    from . import kernels as K
+    from ..moe_details import kernels as K
 
     tl_dtype = {"bf16": tl.bfloat16, "fp16": tl.float16}[dtype]
     g = config.gemm(kind)
@@ -109,7 +109,7 @@ def loop_statics(compiled, num_warps: int):
     holds "gemm"): its hot K loop's instructions per warp and iteration, registers, spill bytes and
     the shared memory the launch requests (Triton's metadata.shared: what it checks against the
     device at launch)."""
-    from .. import sass
+    from . import sass
     from ..perf_model import LoopCost
 
     cubin = compiled.asm["cubin"]
@@ -125,7 +125,7 @@ def measure_gemm(kind: str, config, H: int, I: int, top_k: int, arch: int = 90, 
     instructions per warp and iteration (k3nvfp4.kernels.sass), registers, spill bytes and the
     shared memory the launch requests (Triton's metadata.shared: what it checks against the
     device at launch). Returns a dict with "loop_cost" (perf_model.LoopCost) and the details."""
-    from .. import sass
+    from . import sass
 
     g = config.gemm(kind)
     cost, st = loop_statics(compile_gemm(kind, config, H, I, top_k, arch, scale_fmt=scale_fmt), g.num_warps)
@@ -150,8 +150,8 @@ def compile_all(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16, E:
     _require_compiler()
     import triton
 
-    from . import routing_kernels as RK
-    from .config import MoEConfig
+    from ..moe_details import routing_kernels as RK
+    from ..moe_details.config import MoEConfig
 
     results = []
 

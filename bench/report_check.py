@@ -1,0 +1,200 @@
+"""`sass_report.py --check`: the change detectors of the static report (issue 27).
+
+They hold the project's performance claims to what was measured. They are not correctness tests,
+and they break on any compiler update by design, so they run here and not in `make test`:
+
+- **stale tables**: every shipped W4A16 GEMM compiled today against its row of
+  `kernels/moe_details/tile_cost_table.py` (the heuristic's input), and the FP4 table
+  `kernels/moe_fp4_details/cost_table.py` re-measured in full against its committed rows;
+- **moved rows**: every prediction of this run (our rows, both FP4 modes' MMA rows, the B200 rows,
+  the peers' rows where built) against the committed report (bench/results/perf-model.json),
+  row by row, naming the row and the fields that moved;
+- the loop budgets and KNOWN_MISSES, which sass_report applies to every row (its `ok`);
+- **peer builds** (when the report built the peers): libk3marlin.so built from SGLang's sources and
+  its self-check (exports, linkage, argument checks, the wrapper's errors), and the shape of
+  FlashInfer's measured tiles.
+
+Run after any change to a kernel, a layout, a config, a table or the Triton version
+(bench/README.md, "When to run the static report").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+COMMITTED = REPO / "bench" / "results" / "perf-model.json"
+# The figures of a row that a prediction consists of (the rest are labels or derived text).
+ROW_FIELDS = ("config", "launchable", "launches", "time_us", "bytes_per_useful_weight", "warp_instr_per_useful_weight")
+KERNEL_FIELDS = ("config", "launchable", "registers", "shared_bytes", "local_bytes", "ctas_per_sm",
+                 "instructions_per_iteration", "warp_instr_per_useful_weight", "time_s")
+
+
+def stale_tile_rows(rows: list[dict]) -> list[str]:
+    """Shipped W4A16 GEMMs whose compile today disagrees with their tile_cost_table entry:
+    shared memory within 1 KiB, at least the CTAs per SM the model assumed, the loop within 5 %
+    (GEMM1 also not 5 % shorter; GEMM2's entry is the worse of its two top-k reductions)."""
+    from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.moe_details.layout import E5M3_16, E8M0_32
+    from k3nvfp4.kernels.moe_details.tile_costs import Tile, tile_cost
+
+    formats = {"nvfp4": E5M3_16, "mxfp4": E8M0_32}
+    out = []
+    for r in rows:
+        if "kernels" not in r or r.get("implementation", "").split()[0] != "k3nvfp4":
+            continue
+        c = r["config"] if isinstance(r["config"], dict) else None
+        if c is None:
+            continue
+        arch = pm.DEVICES[r["device"]].arch
+        for k, kind, n in zip(r["kernels"], ("gemm1", "gemm2"), ("1", "2")):
+            tile = Tile(kind, c["block_m"], c["swap_ab"], c[f"block_n{n}"], c[f"block_k{n}"], c[f"num_warps{n}"],
+                        c[f"num_stages{n}"])
+            where = f"{r['device']} {r['checkpoint']} {r['shard']} M={r['M']} {tile.label()} sk{c[f'split_k{n}']}"
+            cost = tile_cost(tile, arch, fmt=formats[r["checkpoint"]])
+            if cost is None:
+                out.append(f"{where}: not in the table for sm_{arch}")
+                continue
+            modelled = pm.occupancy(pm.DEVICES[r["device"]], cost.registers, 32 * cost.num_warps, cost.shared_bytes)[0]
+            measured, table = k["instructions_per_iteration"], cost.instructions_per_iteration
+            if k["shared_bytes"] > cost.shared_bytes + 1024:
+                out.append(f"{where}: shared {k['shared_bytes']} B > table {cost.shared_bytes} + 1024")
+            if k["ctas_per_sm"] < modelled:
+                out.append(f"{where}: {k['ctas_per_sm']} CTAs/SM < the table's {modelled}")
+            if measured > 1.05 * table or (kind == "gemm1" and measured < 0.95 * table):
+                out.append(f"{where}: loop {measured} instructions vs table {table}")
+    return out
+
+
+def stale_fp4_table() -> list[str]:
+    """The FP4 table re-measured in full (a subprocess without TRITON_INTERPRET), row by row."""
+    import triton
+
+    from k3nvfp4.kernels.moe_fp4_details import cost_table
+
+    if not triton.__version__.startswith(cost_table.TRITON):
+        return [f"FP4 cost table: measured with Triton {cost_table.TRITON}, installed {triton.__version__}: "
+                f"regenerate it ({cost_table.COMMAND})"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from k3nvfp4.kernels.offline import fp4_costs; "
+            "print(json.dumps({k: list(v) for k, v in fp4_costs.measure(progress=False).items()}))")
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        return [f"FP4 cost table: the measurement failed: {proc.stderr[-2000:]}"]
+    measured = {k: tuple(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    out = [f"FP4 cost table {k}: table {cost_table.COSTS.get(k)} measured {v}"
+           for k, v in sorted(measured.items()) if cost_table.COSTS.get(k) != v]
+    out += [f"FP4 cost table {k}: in the table, no longer measured" for k in sorted(set(cost_table.COSTS) - set(measured))]
+    return out
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row.get(f) for f in ("implementation", "checkpoint", "device", "shard", "M", "kernel", "arch"))
+
+
+def _section_rows(result: dict) -> dict[str, list[dict]]:
+    return {"rows": result.get("rows", []), "fp4_modes": result.get("fp4_modes", []),
+            "b200.fp4": result.get("b200", {}).get("fp4", []), "b200.w4a16": result.get("b200", {}).get("w4a16", []),
+            "marlin": result.get("marlin", {}).get("rows", []), "flashinfer": result.get("flashinfer", {}).get("rows", [])}
+
+
+def _fields(row: dict) -> dict:
+    out = {f: row.get(f) for f in ROW_FIELDS if f in row}
+    out |= {f: row[f] for f in ("registers", "shared_bytes", "local_bytes", "native", "tcgen05_mma", "wgmma") if f in row}
+    for i, k in enumerate(row.get("kernels", [])):
+        out |= {f"kernels[{i}].{f}": k.get(f) for f in KERNEL_FIELDS if f in k}
+    return out
+
+
+def moved_rows(result: dict, committed: dict) -> list[str]:
+    """Rows of ``result`` whose predictions differ from ``committed``'s, named with the fields
+    that moved; rows only on one side too (a section the run did not compute is skipped)."""
+    out = []
+    new, old = _section_rows(result), _section_rows(committed)
+    for section, rows in new.items():
+        if not rows:
+            continue
+        before = {_key(r): r for r in old.get(section, [])}
+        for r in rows:
+            b = before.pop(_key(r), None)
+            name = f"{section} " + " ".join(str(x) for x in _key(r) if x is not None)
+            if b is None:
+                out.append(f"{name}: not in the committed report")
+                continue
+            fa, fb = _fields(r), _fields(b)
+            diff = [f"{f} {fb.get(f)!r} -> {fa.get(f)!r}" for f in sorted(set(fa) | set(fb)) if fa.get(f) != fb.get(f)]
+            if diff:
+                out.append(f"{name}: " + "; ".join(diff))
+        covered = {_key(r)[1:5] for r in rows}
+        out += [f"{section} " + " ".join(str(x) for x in k if x is not None) + ": in the committed report, not produced"
+                for k in before if k[1:5] in covered]
+    return out
+
+
+def marlin_library_findings() -> list[str]:
+    """Build (or reuse) libk3marlin.so and run its self-check (bench/peers/marlin/selfcheck.py)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from peers.marlin import build, selfcheck
+
+    try:
+        res = build.build(log=lambda *_: None)
+        rep = selfcheck.run_checks(str(res.path))
+    except Exception as e:
+        return [f"libk3marlin: {type(e).__name__}: {e}"]
+    out = [f"libk3marlin: {f}" for f in rep["failures"]]
+    if len(rep["bad_calls"]) != len(selfcheck.BAD_CALLS):
+        out.append(f"libk3marlin: {len(rep['bad_calls'])} of {len(selfcheck.BAD_CALLS)} bad calls probed")
+    return out
+
+
+def flashinfer_findings(statics: list[dict]) -> list[str]:
+    """FlashInfer's measured tiles (flashinfer_sass.flashinfer_rows) have the shape the model
+    assumes: the tiles of TILES, pingpong, no spill, K/16 MMAs an iteration, 11 launches a call."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from peers import flashinfer_sass as fs
+
+    out = []
+    if [(r["tile"]["M"], r["tile"]["N"], r["tile"]["K"]) for r in statics] != list(fs.TILES):
+        out.append(f"flashinfer: tiles {[r['tile'] for r in statics]} != TILES {list(fs.TILES)}")
+    for r in statics:
+        t = r["tile"]
+        name = f"flashinfer {t['M']}x{t['N']}x{t['K']}"
+        checks = [(r["kernel"] == fs.KERNEL and t["schedule"] == "pingpong", "kernel / schedule"),
+                  (r["registers"] > 0 and r["local_bytes"] == 0, "registers / spills"),
+                  (r["mma_per_iteration"] == t["K"] // 16 > 0, "MMAs per iteration"),
+                  (r["weights_per_iteration"] == t["M"] * t["K"], "weights per iteration"),
+                  (0.05 < r["warp_instr_per_weight"] < 0.3, "warp-instructions per weight"),
+                  (r["consumer_warp_instr_per_weight"] < r["warp_instr_per_weight"], "consumer share"),
+                  (r["setmaxnreg"] == {"consumer": 232, "producer": 40}, "setmaxnreg"),
+                  (r["launches_per_call"] == 11 and len(r["launch_sources"]) == 11, "launches per call"),
+                  (r["bytes_per_weight"] == 0.53125, "bytes per weight")]
+        if r["shared_dynamic_bytes"] is not None:
+            checks.append((0 < r["shared_dynamic_bytes"] <= 232448 - r["shared_static_bytes"]
+                           and r["shared_bytes"] == r["shared_static_bytes"] + r["shared_dynamic_bytes"], "shared memory"))
+        else:
+            checks.append((r["shared_bytes"] is None and bool(r["shared_bytes_note"]), "shared memory note"))
+        out += [f"{name}: {what}" for ok, what in checks if not ok]
+    return out
+
+
+def run_checks(result: dict, committed_path: pathlib.Path = COMMITTED) -> list[str]:
+    """Every finding of --check, one line each (empty: nothing moved, nothing stale)."""
+    findings = [f"stale W4A16 tile table: {x}" for x in stale_tile_rows(result.get("rows", []))]
+    if result.get("marlin", {}).get("available"):
+        findings += marlin_library_findings()
+    if result.get("flashinfer", {}).get("available"):
+        findings += flashinfer_findings(result["flashinfer"]["statics"])
+    if result.get("fp4_modes"):
+        findings += stale_fp4_table()
+    if not committed_path.is_file():
+        return findings + [f"no committed report at {committed_path}"]
+    committed = json.loads(committed_path.read_text())
+    if committed.get("versions", {}).get("triton") != result.get("versions", {}).get("triton"):
+        findings.append(f"the committed report is of Triton {committed.get('versions', {}).get('triton')}, "
+                        f"this run {result.get('versions', {}).get('triton')}: rows below may move for that alone")
+    findings += [f"moved: {x}" for x in moved_rows(result, committed)]
+    return findings
