@@ -48,6 +48,8 @@ def _add_layer(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per arm (default 5 on GPU, 1 on CPU)")
     p.add_argument("--out", type=Path, required=True, help="output directory (report.json, summary.md, PNGs)")
+    p.add_argument("--no-plots", action="store_true",
+                   help="write report.json and summary.md only (without matplotlib the plots are skipped anyway)")
 
 
 def _add_serve(sub) -> None:
@@ -80,6 +82,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--seeds", type=int, default=d.seeds, help="seed 0 greedy, seeds >= 1 temperature 0.6 top_p 0.95")
     p.add_argument("--top-logprobs", type=int, default=d.top_logprobs)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true",
+                   help="write report.json and summary.md only (without matplotlib the plots are skipped anyway)")
     p.add_argument("--out", type=Path, help="output directory (required unless printing launch commands)")
 
 
@@ -103,7 +107,8 @@ def _serve(args) -> int:
     cfg = ServeConfig(arms=args.arm, out_dir=args.out, model=args.model, prompts=args.prompts, limit=args.limit,
                       concurrency=args.concurrency, retries=args.retries, backoff_s=args.backoff,
                       timeout_s=args.timeout, max_tokens=args.max_tokens, reasoning_effort=args.reasoning_effort,
-                      seeds=args.seeds, top_logprobs=args.top_logprobs, progress=not args.no_progress)
+                      seeds=args.seeds, top_logprobs=args.top_logprobs, progress=not args.no_progress,
+                      plots=not args.no_plots)
     rep = run_serve_ab(cfg)
     print(summary_markdown(rep))
     print(f"report: {args.out / 'report.json'}")
@@ -123,7 +128,7 @@ def _layer(args, as_script: bool) -> int:
         hidden_size=args.hidden, intermediate_size=args.intermediate, top_k=args.top_k, tokens=args.tokens,
         seed=args.seed, activations=args.activations, dtype=args.dtype,
         arms=None if args.arms is None else tuple(a.strip() for a in args.arms.split(",") if a.strip()),
-        device=args.device, repeats=args.repeats)
+        device=args.device, repeats=args.repeats, plots=not args.no_plots)
     rep = run_layer_ab(cfg)
     print(rep.summary_markdown())
     print(f"report: {args.out / 'report.json'}")

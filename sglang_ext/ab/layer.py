@@ -223,16 +223,28 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
 
 
 def _write(rep: LayerABReport, out: Path, outputs: dict[str, torch.Tensor], with_plots: bool) -> None:
+    """report.json and summary.md first, then the plots (optional: plots.draw_all), then
+    report.json again with the plot files it got."""
     out.mkdir(parents=True, exist_ok=True)
-    files = {"report": "report.json", "summary": "summary.md"}
-    if with_plots and rep.pairs:
+    rep.files = {"report": "report.json", "summary": "summary.md"}
+    write_text_atomic(out / "summary.md", rep.summary_markdown())
+    write_json(out / "report.json", rep.to_dict())
+    if not (with_plots and rep.pairs):
+        return
+
+    def hist(path: Path) -> Path:
         series = {f"{p.a} vs {p.b}": (outputs[p.a].double() - outputs[p.b].double()).abs().flatten().cpu().numpy()
                   for p in rep.pairs}
-        plots.error_histogram(out / "error_hist.png", series, "|a - b| per output element")
-        plots.per_expert_error(out / "per_expert_error.png",
-                               {f"{p.a} vs {p.b}": ([e.expert for e in p.per_expert], [max(e.rel_err, 1e-12) for e in p.per_expert])
-                                for p in rep.pairs}, "per-expert normwise relative error (floored at 1e-12)")
-        files.update(error_hist="error_hist.png", per_expert_error="per_expert_error.png")
-    rep.files = files
-    write_text_atomic(out / "summary.md", rep.summary_markdown())
+        return plots.error_histogram(path, series, "|a - b| per output element")
+
+    def per_expert(path: Path) -> Path:
+        return plots.per_expert_error(
+            path, {f"{p.a} vs {p.b}": ([e.expert for e in p.per_expert], [max(e.rel_err, 1e-12) for e in p.per_expert])
+                   for p in rep.pairs}, "per-expert normwise relative error (floored at 1e-12)")
+
+    drawn, skipped = plots.draw_all(out, {"error_hist": ("error_hist.png", hist),
+                                          "per_expert_error": ("per_expert_error.png", per_expert)})
+    rep.files.update(drawn)
+    if skipped:
+        rep.files["plots_skipped"] = skipped
     write_json(out / "report.json", rep.to_dict())

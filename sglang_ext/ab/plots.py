@@ -1,11 +1,49 @@
-"""PNG plots of the A/B reports (matplotlib, imported lazily, Agg backend)."""
+"""PNG plots of the A/B reports (matplotlib, imported lazily, Agg backend). Optional: without
+matplotlib (the core install) the reports are complete and the plots are skipped with one line."""
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
+
+
+PLOT_EXTRA = "pip install 'kimi-k3-nvfp4[plot]'"
+
+
+def unavailable() -> str | None:
+    """Why no plot can be drawn here (matplotlib missing), or None when plots work. The reports
+    never depend on it: plots are optional everywhere."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return f"matplotlib is not installed ({type(e).__name__}: {e}; {PLOT_EXTRA} adds it)"
+    return None
+
+
+def draw_all(out: Path, plots: dict[str, tuple[str, Callable[[Path], Path]]]) -> tuple[dict[str, str], str | None]:
+    """Draw each plot ``key -> (file name, draw(path))`` into ``out``; returns the files drawn
+    and, where some were not, one line saying which and why (also printed on stderr). Called
+    after the report is written, so that a failed plot never loses a report."""
+    why = unavailable()
+    drawn: dict[str, str] = {}
+    failed: list[str] = []
+    if why is None:
+        for key, (name, draw) in plots.items():
+            try:
+                draw(out / name)
+                drawn[key] = name
+            except Exception as e:  # a plot is decoration: report it, keep the run's result
+                failed.append(name)
+                why = why or f"{type(e).__name__}: {e}"
+    skipped = [name for key, (name, _) in plots.items() if key not in drawn]
+    if not skipped:
+        return drawn, None
+    line = f"plots skipped ({', '.join(skipped)}): {why}"
+    print(f"k3nvfp4-ab: {line}", file=sys.stderr)
+    return drawn, line
 
 
 def _plt():

@@ -43,6 +43,7 @@ class ServeConfig:
     reasoning_effort: str | None = None
     seeds: int = 1
     top_logprobs: int = 5
+    plots: bool = True  # --no-plots: report.json and summary.md only
     temperature: float = 0.6
     top_p: float = 0.95
     progress: bool = True
@@ -292,19 +293,23 @@ def _write_serve_outputs(rep: ServeABReport, cfg: ServeConfig, comps: dict, resu
         lines.append(json.dumps({**asdict(r), "content": c.content, "reasoning_content": c.reasoning_content}))
     write_text_atomic(out / "completions.jsonl", "\n".join(lines) + "\n")
     arms = list(rep.accuracy)
-    files = {"report": "report.json", "summary": "summary.md", "completions": "completions.jsonl"}
-    if all("all_graded" in rep.accuracy[x] for x in arms):
-        plots.accuracy_bars(out / "accuracy.png", arms, [rep.accuracy[x]["all_graded"]["pass@1"] for x in arms],
-                            [rep.accuracy[x]["all_graded"]["std"] for x in arms],
-                            [rep.accuracy[x]["truncation_rate"] for x in arms], "pass@1 per arm (+-1 std over seeds)")
-        files["accuracy_plot"] = "accuracy.png"
-    g = rep.greedy
-    plots.divergence_histogram(out / "divergence_hist.png", g["first_divergence_positions"],
-                               g["identical_token_streams"], g["prompts"],
-                               f"greedy first divergence: {g['other_arm']} vs {g['baseline_arm']}")
-    files["divergence_plot"] = "divergence_hist.png"
-    rep.files = files
+    rep.files = {"report": "report.json", "summary": "summary.md", "completions": "completions.jsonl"}
     write_text_atomic(out / "summary.md", summary_markdown(rep))
     write_json(out / "report.json", rep.to_dict())
+    if cfg.plots:  # optional, after the report: a plot never loses it (plots.draw_all)
+        g = rep.greedy
+        todo = {"divergence_plot": ("divergence_hist.png", lambda path: plots.divergence_histogram(
+            path, g["first_divergence_positions"], g["identical_token_streams"], g["prompts"],
+            f"greedy first divergence: {g['other_arm']} vs {g['baseline_arm']}"))}
+        if all("all_graded" in rep.accuracy[x] for x in arms):
+            todo["accuracy_plot"] = ("accuracy.png", lambda path: plots.accuracy_bars(
+                path, arms, [rep.accuracy[x]["all_graded"]["pass@1"] for x in arms],
+                [rep.accuracy[x]["all_graded"]["std"] for x in arms],
+                [rep.accuracy[x]["truncation_rate"] for x in arms], "pass@1 per arm (+-1 std over seeds)"))
+        drawn, skipped = plots.draw_all(out, todo)
+        rep.files.update(drawn)
+        if skipped:
+            rep.files["plots_skipped"] = skipped
+        write_json(out / "report.json", rep.to_dict())
     for stale in ("partial.json", "completions.partial.jsonl"):  # of an earlier, failed run into this directory
         (out / stale).unlink(missing_ok=True)
