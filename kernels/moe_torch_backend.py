@@ -75,6 +75,17 @@ def _require(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, .
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
+def _expert_sizes(w13: torch.Tensor, group: int) -> tuple[int, int, int]:
+    """(E, I, H) of packed w13 uint8 [E, 2I, H/2]; I and H must be multiples of the scale group."""
+    if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
+        raise ValueError(f"w13_weight: expected uint8 [E, 2I, H/2], got {getattr(w13, 'shape', None)}")
+    E, two_i, half_h = w13.shape
+    I, H = two_i // 2, half_h * 2
+    if two_i % 2 or I % group or H % group:
+        raise ValueError(f"w13_weight: shape {tuple(w13.shape)} is not [E, 2I, H/2] with I, H multiples of {group}")
+    return E, I, H
+
+
 @dataclass(frozen=True)
 class ModelOptNVFP4Experts:
     """One layer's local experts in SGLang's ModelOpt NVFP4 parameters (linear block scales).
@@ -92,12 +103,7 @@ class ModelOptNVFP4Experts:
     w2_scale_2: torch.Tensor
 
     def __post_init__(self) -> None:
-        if not isinstance(self.w13, torch.Tensor) or self.w13.dim() != 3:
-            raise ValueError(f"w13_weight: expected uint8 [E, 2I, H/2], got {getattr(self.w13, 'shape', None)}")
-        E, two_i, half_h = self.w13.shape
-        I, H = two_i // 2, half_h * 2
-        if two_i % 2 or I % NVFP4_GROUP or H % NVFP4_GROUP:
-            raise ValueError(f"w13_weight: shape {tuple(self.w13.shape)} is not [E, 2I, H/2] with I, H multiples of 16")
+        E, I, H = _expert_sizes(self.w13, NVFP4_GROUP)
         _require(self.w13, "w13_weight", torch.uint8, (E, 2 * I, H // 2))
         _require(self.w13_scale, "w13_weight_scale", torch.float8_e4m3fn, (E, 2 * I, H // NVFP4_GROUP))
         s2_shape = (E, 2) if self.w13_scale_2.dim() == 2 else (E,)
@@ -145,12 +151,7 @@ class MXFP4Experts:
     w2_scale: torch.Tensor
 
     def __post_init__(self) -> None:
-        if not isinstance(self.w13, torch.Tensor) or self.w13.dim() != 3:
-            raise ValueError(f"w13_weight: expected uint8 [E, 2I, H/2], got {getattr(self.w13, 'shape', None)}")
-        E, two_i, half_h = self.w13.shape
-        I, H = two_i // 2, half_h * 2
-        if two_i % 2 or I % MXFP4_GROUP or H % MXFP4_GROUP:
-            raise ValueError(f"w13_weight: shape {tuple(self.w13.shape)} is not [E, 2I, H/2] with I, H multiples of 32")
+        E, I, H = _expert_sizes(self.w13, MXFP4_GROUP)
         _require(self.w13, "w13_weight", torch.uint8, (E, 2 * I, H // 2))
         _require(self.w13_scale, "w13_weight_scale", torch.uint8, (E, 2 * I, H // MXFP4_GROUP))
         _require(self.w2, "w2_weight", torch.uint8, (E, H, I // 2))
