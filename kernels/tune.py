@@ -17,7 +17,8 @@ After each batch size the
 results so far are written atomically to ``<final file>.partial.json``; a restart with the same
 shape and device skips the finished batch sizes. At the end ONE JSON per shape and device is
 written, named by :func:`config_file_name` (keys = batch sizes), to ``--out-dir``, else
-``$K3NVFP4_MOE_CONFIG_DIR``, else ``kernels/configs/`` -- exactly what :func:`get_moe_config`
+``$K3NVFP4_MOE_CONFIG_DIR``, else the per-user ``~/.config/k3nvfp4/moe_configs`` (never into the
+installed package) -- exactly what :func:`get_moe_config`
 reads at run time.
 
 Without a GPU, ``--device cpu`` runs the same pipeline in the Triton interpreter with
@@ -51,6 +52,7 @@ from .moe_details.config import (
     config_file_name,
     current_device_name,
     heuristic_moe_config,
+    user_config_dir,
 )
 from .moe_details.weights import NVFP4MoEWeights
 from .testing import kimi_routing, random_nvfp4_moe_weights
@@ -526,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-configs", type=int, default=None, help="cap on configs tried per batch size")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds; stop searching when spent and write what is done (resumable)")  # fmt: skip
-    p.add_argument("--out-dir", help=f"output directory (default ${CONFIG_DIR_ENV}, else kernels/configs/)")
+    p.add_argument("--out-dir", help=f"output directory (default ${CONFIG_DIR_ENV}, else {user_config_dir()}; "
+                                     "get_moe_config reads both, then the configs shipped in the package)")
     p.add_argument("--report", help="also write every candidate's time/error/note to this JSON file")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default) or cpu: Triton interpreter + wall clock, a functional check only")  # fmt: skip

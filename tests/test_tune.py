@@ -317,3 +317,37 @@ def test_bench_moe_smoke(tmp_path):
     assert point["flops"] == 2 * point["valid_routes"] * 3 * I * H
     assert point["ours"]["time_us"] > 0 and point["bf16"]["impl"] == "torch._grouped_mm"
     assert result["other_implementations"]["sglang_marlin_nvfp4"].startswith("not available")
+
+
+def test_tuner_never_writes_into_the_installed_package(tmp_path, monkeypatch):
+    """Without --out-dir and $K3NVFP4_MOE_CONFIG_DIR the tuner writes to the per-user directory
+    ($XDG_CONFIG_HOME/k3nvfp4/moe_configs), with the package's configs folder read-only; the
+    kernels then find the file there, and a shipped file of another shape is still read."""
+    import stat
+
+    from k3nvfp4.kernels.moe_details import config as cfgmod
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    E, H, I, k = 4, 48, 32, 2
+    shipped = tmp_path / "site-packages" / "k3nvfp4" / "kernels" / "configs"
+    shipped.mkdir(parents=True)
+    other = MoEConfig(block_m=16, block_n1=32)
+    (shipped / config_file_name(8, 64, 64, "dev")).write_text(json.dumps({"1": other.to_dict()}))
+    shipped.chmod(stat.S_IRUSR | stat.S_IXUSR)  # what a system-wide install looks like to a user
+    monkeypatch.setattr(cfgmod, "DEFAULT_CONFIG_DIR", shipped)
+    monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    user = tmp_path / "xdg" / "k3nvfp4" / "moe_configs"
+    assert cfgmod.config_dir() == user and cfgmod.config_dirs() == (user, shipped)
+    argv = ["--device", device, "--E", str(E), "--H", str(H), "--I", str(I), "--top-k", str(k), "--batch-sizes", "1",
+            "--space", "tiny", "--warmup", "0", "--iters", "1", "--no-progress"]
+    try:
+        assert tune.main(argv) == 0
+        device_name = current_device_name() if device == "cuda" else "cpu"
+        assert sorted(p.name for p in shipped.iterdir()) == [config_file_name(8, 64, 64, "dev")]
+        assert sorted(p.name for p in user.iterdir()) == [config_file_name(E, H, I, device_name)]
+        tuned = load_moe_configs(E, H, I, device_name)
+        assert tuned is not None and get_moe_config(E, H, I, k, 1, device_name=device_name) == tuned[1]
+        assert get_moe_config(8, 64, 64, 2, 1, device_name="dev") == other  # the shipped file, read last
+    finally:
+        shipped.chmod(stat.S_IRWXU)

@@ -31,8 +31,11 @@ Tuned configs are JSON files named in the style of SGLang's fused_moe_triton con
     E={E},N={I},H={H},device_name={device_name},dtype=nvfp4.json
 
 (``N`` is the per-shard intermediate size I, as in SGLang), mapping batch sizes (string
-keys, e.g. "1", "64") to MoEConfig field dicts. They are read from the directory in
-``K3NVFP4_MOE_CONFIG_DIR`` when set, else from ``kernels/configs/`` of this package.
+keys, e.g. "1", "64") to MoEConfig field dicts. They are looked up in :func:`config_dirs`, first
+match wins: ``$K3NVFP4_MOE_CONFIG_DIR`` when set, else the per-user directory
+(``$XDG_CONFIG_HOME/k3nvfp4/moe_configs``, default ``~/.config/k3nvfp4/moe_configs``), then the
+configs shipped in ``kernels/configs/`` of this package (read only: the tuner never writes into the
+installed package; it writes to ``--out-dir``, else :func:`config_dir`).
 :func:`get_moe_config` takes the config of the nearest tuned batch size (in log space,
 and only within 4x of M), else :func:`heuristic_moe_config`.
 """
@@ -186,10 +189,24 @@ def config_file_name(E: int, H: int, I: int, device_name: str) -> str:
     return f"E={E},N={I},H={H},device_name={device_name},dtype=nvfp4.json"
 
 
+def user_config_dir() -> pathlib.Path:
+    """The per-user directory of tuned configs: $XDG_CONFIG_HOME/k3nvfp4/moe_configs (default
+    ~/.config/k3nvfp4/moe_configs)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return pathlib.Path(base) / "k3nvfp4" / "moe_configs"
+
+
 def config_dir() -> pathlib.Path:
-    """Directory searched for tuned configs: $K3NVFP4_MOE_CONFIG_DIR, else kernels/configs/."""
+    """Where tuned configs are written by default (the tuner without --out-dir):
+    $K3NVFP4_MOE_CONFIG_DIR when set, else :func:`user_config_dir`. Never the installed package."""
     env = os.environ.get(CONFIG_DIR_ENV)
-    return pathlib.Path(env) if env else DEFAULT_CONFIG_DIR
+    return pathlib.Path(env) if env else user_config_dir()
+
+
+def config_dirs() -> tuple[pathlib.Path, ...]:
+    """Where tuned configs are looked up, in order: :func:`config_dir`, then the configs shipped
+    with the package (kernels/configs/)."""
+    return (config_dir(), DEFAULT_CONFIG_DIR)
 
 
 @functools.lru_cache(maxsize=256)
@@ -212,16 +229,18 @@ def _load_configs_cached(path: str, mtime_ns: int) -> dict[int, MoEConfig]:
 
 
 def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -> dict[int, MoEConfig] | None:
-    """Tuned configs {batch size: MoEConfig} of a shape and device, or None when no file exists."""
-    path = pathlib.Path(directory) if directory is not None else config_dir()
-    path = path / config_file_name(E, H, I, device_name)
-    try:  # one stat per call (this runs on every fused_moe_nvfp4 call without a config)
-        st = path.stat()
-    except OSError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    return _load_configs_cached(str(path), st.st_mtime_ns)
+    """Tuned configs {batch size: MoEConfig} of a shape and device from ``directory``, else from the
+    first of :func:`config_dirs` that has the file; None when none has it."""
+    name = config_file_name(E, H, I, device_name)
+    for d in (pathlib.Path(directory),) if directory is not None else config_dirs():
+        path = d / name
+        try:  # a stat or two per call (this runs on every fused_moe_nvfp4 call without a config)
+            st = path.stat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            return _load_configs_cached(str(path), st.st_mtime_ns)
+    return None
 
 
 @functools.lru_cache(maxsize=4096)
