@@ -60,7 +60,7 @@ SERVERS = {"nvfp4": ("nvfp4", "triton_situ"), "mxfp4": ("mxfp4", "triton_situ"),
            "reference": ("nvfp4", "torch_reference"), "perturbed": ("nvfp4_beta", "triton_situ")}
 PERTURBED_BETA = 2.0  # activation_situ_beta of the negative control (the model's is 4.0)
 DLOGPROB_BOUND = 0.02  # nats, max |delta logprob| over aligned positions (module docstring)
-AB_TOKENS = 8
+AB_TOKENS = 5  # the control diverges by position 3 (measured); fewer tokens keep the servers' time down
 AB_PROMPTS = [{"id": "p1", "prompt": "w001 w002 w003"}, {"id": "p2", "prompt": "w100 w017 w042 w007"},
               {"id": "p3", "prompt": "w200"}]
 
