@@ -503,7 +503,7 @@ def run_cast(options: CastOptions) -> dict:
     t_start = time.perf_counter()
     src = options.source
     if not src.is_dir():
-        raise CheckpointError(f"--source_ckpt {src}: not a directory")
+        raise CheckpointError(f"--source-ckpt {src}: not a directory")
     plan = plan_cast(src, w4a4=options.w4a4, trim_a_log=options.trim_a_log, tool_version=TOOL_VERSION)
     state, finished = _prepare_output(options, plan)
     if finished is not None:

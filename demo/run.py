@@ -51,7 +51,7 @@ def build_source(workdir: Path) -> Path:
 def cast(src: Path, workdir: Path, workers: int = 2) -> Path:
     """Run the cast CLI exactly as a user would (with --verify); returns the NVFP4 checkpoint."""
     out = workdir / "k3-nvfp4"
-    argv = ["--source_ckpt", str(src), "--output_ckpt", str(out), "--verify", "--workers", str(workers), "--overwrite"]
+    argv = ["--source-ckpt", str(src), "--output-ckpt", str(out), "--verify", "--workers", str(workers), "--overwrite"]
     print("[demo] k3nvfp4-cast " + " ".join(argv))
     rc = cast_main(argv)
     if rc != 0:

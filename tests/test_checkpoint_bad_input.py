@@ -346,3 +346,16 @@ def test_shard_changed_after_the_plan(src, tmp_path, capsys, monkeypatch, change
     assert ("short read of tensor" in err) if change == "truncate" else ("No such file or directory" in err), err
     _assert_no_corrupt_output(out)
     assert not (out / target.name).exists()
+
+
+def test_missing_source_is_named_with_the_documented_spelling(tmp_path, capsys):
+    """The error names the option as README and --help spell it (--source-ckpt), whichever
+    spelling was typed (issue 29, item 5)."""
+    for spelling in ("--source-ckpt", "--source_ckpt"):
+        capsys.readouterr()
+        rc = main([spelling, str(tmp_path / "nope"), "--output-ckpt", str(tmp_path / "out"), "--workers", "1",
+                   "--no-progress"])
+        err = capsys.readouterr().err
+        assert rc == 1, err
+        assert f"--source-ckpt {tmp_path / 'nope'}: not a directory" in err and "--source_ckpt" not in err
+        assert not (tmp_path / "out").exists()
