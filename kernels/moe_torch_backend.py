@@ -86,8 +86,22 @@ def _expert_sizes(w13: torch.Tensor, group: int) -> tuple[int, int, int]:
     return E, I, H
 
 
+class _PackedExperts:
+    """What both checkpoint formats' experts answer from their packed w13 [E, 2I, H/2]."""
+
+    w13: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+
 @dataclass(frozen=True)
-class ModelOptNVFP4Experts:
+class ModelOptNVFP4Experts(_PackedExperts):
     """One layer's local experts in SGLang's ModelOpt NVFP4 parameters (linear block scales).
 
     w13: uint8 [E, 2I, H/2] (gate rows then up rows); w13_scale: float8_e4m3fn [E, 2I, H/16];
@@ -118,14 +132,6 @@ class ModelOptNVFP4Experts:
             if not torch.isfinite(t).all():
                 raise ValueError(f"{name}: contains non-finite values")
 
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
-
     def dense_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ``e`` in fp32: w13 [2I, H] (gate rows x gate scale_2, up rows x up scale_2), w2 [H, I]."""
         I = self.intermediate_size
@@ -138,7 +144,7 @@ class ModelOptNVFP4Experts:
 
 
 @dataclass(frozen=True)
-class MXFP4Experts:
+class MXFP4Experts(_PackedExperts):
     """One layer's local experts as released (compressed-tensors MXFP4, as SGLang loads them).
 
     w13: uint8 [E, 2I, H/2] (w1 rows then w3 rows); w13_scale: uint8 E8M0 [E, 2I, H/32];
@@ -160,14 +166,6 @@ class MXFP4Experts:
             n = int((t == E8M0_NAN_BYTE).sum())
             if n:
                 raise ValueError(f"{name}: {n} E8M0 scale byte(s) are 255 (NaN); the checkpoint is corrupt")
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
 
     def dense_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ``e`` in fp32: w13 [2I, H], w2 [H, I]."""
