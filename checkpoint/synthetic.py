@@ -463,6 +463,14 @@ _SIDE_FILES = {
 }
 
 
+def _umask_mode(path: Path) -> None:
+    """Give a file safetensors wrote (mode 0600) the mode the other files get, 0666 less the umask,
+    as the cast's output shards have."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_synthetic_checkpoint(
     out_dir: str | os.PathLike,
     *,
@@ -529,6 +537,7 @@ def write_synthetic_checkpoint(
             tensors[s.name] = t
             weight_map[s.name] = fname
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        _umask_mode(out / fname)
         del tensors
         if bar is not None:
             bar.update(sum(s.nbytes for s in shard))

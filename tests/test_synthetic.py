@@ -194,3 +194,18 @@ def test_expert_magnitudes_are_trained_like(ckpt):
     # +-1 binade of per-matrix jitter and +-0.5 of rounding around 1; out-of-range / zero blocks lower it a bit.
     print(f"RMS x sqrt(fan_in): min {ratios.min():.3f} median {np.median(ratios):.3f} max {ratios.max():.3f}")
     assert 0.25 < ratios.min() and ratios.max() < 4 and 0.5 < np.median(ratios) < 2
+
+
+def test_shards_have_the_mode_of_the_other_files(ckpt):
+    """Shards written by safetensors (0600 on their own) get 0666 less the umask, like config.json
+    and the cast's output (issue 29, item 11)."""
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    want = 0o666 & ~umask
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in ckpt.iterdir() if p.is_file()}
+    assert modes["config.json"] == want
+    shards = {n: m for n, m in modes.items() if n.endswith(".safetensors")}
+    assert shards and set(shards.values()) == {want}, shards
