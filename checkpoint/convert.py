@@ -622,7 +622,7 @@ def _already_done(options: CastOptions, plan: CastPlan, report: dict) -> dict:
         report = {**report, "verify": verify_report,
                   "seconds": {**report["seconds"], "verify": time.perf_counter() - t0}}
         write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
-    return {**report, "already_done": True}
+    return {**report, "already_done": True, "verified_now": options.verify}
 
 
 def _merge_verify(results: list[dict], cast_stats: CastStats) -> dict:
@@ -660,6 +660,9 @@ def format_summary(report: dict) -> str:
     pct = 100.0 * report["bit_exact_fraction"]
     tp = report["throughput_gb_per_s"]
     a = report["a_log"]
+    # A finished cast found again without --verify: its stored figures are from when it was written.
+    stored = " (when the output was written; --verify runs it again)" if (
+        report.get("already_done") and not report.get("verified_now")) else ""
     rows = [
         ("Cast fidelity", f"{s['exact_blocks']:,} / {s['blocks']:,} blocks bit-exact ({pct:.4f}%), max_abs_err {s['max_abs_err']:g}"),
         ("Outside the window", _window_line(s)),
@@ -668,7 +671,7 @@ def format_summary(report: dict) -> str:
         ("A_log", f"{a['tensors']} checked, padding exactly zero in {a['padding_all_zero']}, trimmed {a['trimmed']}"),
         ("exclude_modules", f"{report['exclude_modules']} globs"),
         ("Time", f"cast {report['seconds']['cast']:.2f} s"
-         + (f" (each shard verified in-line), final verify pass {report['seconds']['verify']:.2f} s"
+         + (f" (each shard verified in-line), final verify pass {report['seconds']['verify']:.2f} s{stored}"
             if report.get("verify") else "")
          + f", total {report['seconds']['total']:.2f} s"),
         ("Throughput", "n/a (all shards resumed)" if tp["cast"] is None else f"{tp['cast']:.3f} GB/s of source read"
@@ -678,6 +681,6 @@ def format_summary(report: dict) -> str:
     if v:
         rows.append(("Verify", f"PASSED: {v['exact_blocks']:,} / {v['blocks']:,} blocks proved equal from disk, "
                      f"{v['sample_matrices']} matrices ({v['sample_elements']:,} values) fully dequantized, "
-                     f"{v['carried_tensors']} carried tensors byte-identical"))
+                     f"{v['carried_tensors']} carried tensors byte-identical{stored}"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(w)}  {val}" for k, val in rows)

@@ -240,6 +240,14 @@ def test_resume_after_interruption_is_byte_identical(source, cast_run, tmp_path,
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "already a finished cast" in printed and "verified again" in printed and "Verify" in printed and "PASSED" in printed
+    assert "when the output was written" not in printed
+    assert calls == []
+    # Without --verify the stored verify result is shown as such, not as a new verification.
+    assert main([a for a in args if a != "--verify"]) == 0
+    printed = capsys.readouterr().out
+    verify_line = next(x for x in printed.splitlines() if x.startswith("Verify"))
+    assert "PASSED" in verify_line and verify_line.endswith("(when the output was written; --verify runs it again)")
+    assert "final verify pass" in printed and "s (when the output was written" in printed
     assert calls == []
     assert {k: v for k, v in _tree_hash(out).items() if k not in skip} == {k: v for k, v in before.items() if k not in skip}
     # Other options: refused, saying which one; with --overwrite it is redone.
