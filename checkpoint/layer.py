@@ -94,6 +94,30 @@ class _ExpertTensors:
     text: dict
 
 
+def _ranges(ids: Sequence[int]) -> str:
+    """Sorted ids as runs: [0, 1, 2, 5, 8, 9] -> "0-2, 5, 8-9"."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _dense_hint(ckpt: Path, layer: int) -> str:
+    """Where the config says the layer is dense (first_k_dense_replace), say so."""
+    try:
+        cfg = _text_config(ckpt)
+    except (OSError, ValueError):
+        return ""
+    k, n = cfg.get("first_k_dense_replace"), cfg.get("num_hidden_layers")
+    if isinstance(k, int) and 0 <= layer < k:
+        return (f": layer {layer} is dense (first_k_dense_replace = {k}); the MoE layers are "
+                f"{k}-{n - 1}" if isinstance(n, int) else f": layer {layer} is dense (first_k_dense_replace = {k})")
+    return ""
+
+
 def _read_experts(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Sequence[int] | None,
                   suffixes: tuple[str, ...], not_found_hint: str) -> _ExpertTensors:  # fmt: skip
     """Stacked per-expert tensors ``suffixes`` of w1/w3/w2; each shard opened once."""
@@ -105,11 +129,13 @@ def _read_experts(ckpt: Path, weight_map: dict[str, str], layer: int, experts: S
             found[int(m["e"])] = m["p"]
     if not found:
         kind = "MXFP4" if suffixes[0] == "weight_packed" else "NVFP4"
-        raise KeyError(f"{ckpt}: no {kind} routed experts for layer {layer} in {INDEX_FILE}{not_found_hint}")
+        raise KeyError(f"{ckpt}: no {kind} routed experts for layer {layer} in {INDEX_FILE}{not_found_hint}"
+                       + _dense_hint(ckpt, layer))
     expert_ids = tuple(sorted(found)) if experts is None else tuple(int(e) for e in experts)
     missing = [e for e in expert_ids if e not in found]
     if missing:
-        raise KeyError(f"{ckpt}: layer {layer} has no expert(s) {missing[:8]} (found {len(found)} experts)")
+        raise KeyError(f"{ckpt}: layer {layer} has no expert(s) {_ranges(missing)} "
+                       f"(it has {len(found)} experts: {_ranges(sorted(found))})")
     wanted = [f"{found[e]}.{e}.{w}.{suf}" for e in expert_ids for w in ("w1", "w3", "w2") for suf in suffixes]
     by_shard: dict[str, list[str]] = defaultdict(list)
     for name in wanted:

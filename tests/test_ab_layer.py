@@ -173,6 +173,12 @@ def test_layer_cli_missing_layer_in_checkpoint(tmp_path, capsys):
     rc = cli.main(["layer", "--ckpt", str(ck), "--layer", "7", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and "--layer 7" in err and "no MXFP4 routed experts for layer 7" in err
+    # Layer 0 is dense: said so, with the MoE layers (issue 29, item 10).
+    assert cli.main(["layer", "--ckpt", str(ck), "--layer", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "layer 0 is dense (first_k_dense_replace = 1); the MoE layers are 1-1" in capsys.readouterr().err
+    # Experts the layer lacks are named as ranges, with the ones it has.
+    assert cli.main(["layer", "--ckpt", str(ck), "--layer", "1", "--experts", "56", "--out", str(tmp_path / "o")]) == 2
+    assert "layer 1 has no expert(s) 2-55 (it has 2 experts: 0-1)" in capsys.readouterr().err
 
 
 def test_layer_ab_on_cast_checkpoint(tmp_path):
