@@ -112,10 +112,10 @@ def _dense_hint(ckpt: Path, layer: int) -> str:
     except (OSError, ValueError):
         return ""
     k, n = cfg.get("first_k_dense_replace"), cfg.get("num_hidden_layers")
-    if isinstance(k, int) and 0 <= layer < k:
-        return (f": layer {layer} is dense (first_k_dense_replace = {k}); the MoE layers are "
-                f"{k}-{n - 1}" if isinstance(n, int) else f": layer {layer} is dense (first_k_dense_replace = {k})")
-    return ""
+    if not (isinstance(k, int) and 0 <= layer < k):
+        return ""
+    moe_layers = f"; the MoE layers are {k}-{n - 1}" if isinstance(n, int) else ""
+    return f": layer {layer} is dense (first_k_dense_replace = {k}){moe_layers}"
 
 
 def _read_experts(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Sequence[int] | None,

@@ -17,7 +17,7 @@ from sglang.srt.layers.moe.moe_runner.base import DispatchMoeRunnerCore, MoeQuan
 from sglang.srt.layers.moe.utils import MoeRunnerBackendLike, resolve_moe_runner_backend
 
 from .names import REFERENCE_BACKEND_NAME
-from .runner import routed_scaling_factor_for_runner, situ_params_from_config
+from .runner import check_dispatch, check_runner_config, routed_scaling_factor_for_runner, situ_params_from_config
 
 
 @dataclass
@@ -32,11 +32,7 @@ class TorchReferenceRunnerCore(DispatchMoeRunnerCore):
 
     def __init__(self, config: MoeRunnerConfig):
         super().__init__(config)
-        if config.apply_router_weight_on_input:
-            raise NotImplementedError(f"{REFERENCE_BACKEND_NAME} does not support apply_router_weight_on_input")
-        if config.no_combine:
-            raise NotImplementedError(f"{REFERENCE_BACKEND_NAME} does not support no_combine")
-        self.situ = situ_params_from_config(config, REFERENCE_BACKEND_NAME)  # fail at construction
+        self.situ = check_runner_config(config, REFERENCE_BACKEND_NAME)  # fail at construction
 
     @property
     def runner_backend(self) -> MoeRunnerBackendLike:
@@ -48,17 +44,8 @@ class TorchReferenceRunnerCore(DispatchMoeRunnerCore):
 
         from k3nvfp4.kernels.moe_torch_backend import moe_forward_reference
 
-        if hooks is not None:
-            raise NotImplementedError(f"{REFERENCE_BACKEND_NAME} does not support MoE LoRA hooks")
-        if not isinstance(quant_info, TorchReferenceMoeQuantInfo):
-            raise TypeError(f"{REFERENCE_BACKEND_NAME} expects TorchReferenceMoeQuantInfo, "
-                            f"got {type(quant_info).__name__}")
-        if getattr(dispatch_output, "hidden_states_scale", None) is not None:
-            raise NotImplementedError(f"{REFERENCE_BACKEND_NAME} takes unquantized activations (no FP4 dispatch)")
-        topk_output = dispatch_output.topk_output
-        if not hasattr(topk_output, "topk_ids"):
-            raise NotImplementedError(
-                f"{REFERENCE_BACKEND_NAME} needs the standard top-k output, got {type(topk_output).__name__}")
+        topk_output = check_dispatch(dispatch_output, quant_info, TorchReferenceMoeQuantInfo, hooks,
+                                     REFERENCE_BACKEND_NAME)
         situ = situ_params_from_config(runner_config, REFERENCE_BACKEND_NAME)
         out = moe_forward_reference(
             dispatch_output.hidden_states, quant_info.experts, topk_output.topk_weights, topk_output.topk_ids,

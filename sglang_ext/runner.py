@@ -87,17 +87,39 @@ def routed_scaling_factor_for_runner(config: MoeRunnerConfig) -> float | None:
     return float(factor)
 
 
+def check_runner_config(config: MoeRunnerConfig, backend: str = BACKEND_NAME) -> SituParams:
+    """What the plugin's runner cores (triton_situ, torch_reference) refuse in a MoeRunnerConfig;
+    returns its SiTU parameters. ``backend`` names the backend in the errors."""
+    if config.apply_router_weight_on_input:
+        raise NotImplementedError(f"{backend} does not support apply_router_weight_on_input")
+    if config.no_combine:
+        raise NotImplementedError(f"{backend} does not support no_combine")
+    return situ_params_from_config(config, backend)
+
+
+def check_dispatch(dispatch_output: Any, quant_info: Any, info_type: type, hooks: Any,
+                   backend: str = BACKEND_NAME) -> Any:
+    """What the plugin's runner cores refuse in one call (LoRA hooks, another quant info, FP4
+    dispatch, a non-standard top-k output); returns the top-k output."""
+    if hooks is not None:
+        raise NotImplementedError(f"{backend} does not support MoE LoRA hooks")
+    if not isinstance(quant_info, info_type):
+        raise TypeError(f"{backend} expects {info_type.__name__}, got {type(quant_info).__name__}")
+    if getattr(dispatch_output, "hidden_states_scale", None) is not None:
+        raise NotImplementedError(f"{backend} takes unquantized activations (no FP4 dispatch)")
+    topk_output = dispatch_output.topk_output
+    if not hasattr(topk_output, "topk_ids"):
+        raise NotImplementedError(f"{backend} needs the standard top-k output, got {type(topk_output).__name__}")
+    return topk_output
+
+
 class TritonSituRunnerCore(DispatchMoeRunnerCore):
     """Runs one MoE layer with the fused NVFP4 Triton kernels (W4A16)."""
 
     def __init__(self, config: MoeRunnerConfig):
         super().__init__(config)
-        if config.apply_router_weight_on_input:
-            raise NotImplementedError(f"{BACKEND_NAME} does not support apply_router_weight_on_input")
-        if config.no_combine:
-            raise NotImplementedError(f"{BACKEND_NAME} does not support no_combine")
         # Fail at model construction, not at the first forward.
-        self.situ = situ_params_from_config(config)
+        self.situ = check_runner_config(config)
         from .act_quant import selected_act_quant
 
         self.act_quant = selected_act_quant()
@@ -117,17 +139,7 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
 
         from k3nvfp4.kernels import fused_moe_nvfp4
 
-        if hooks is not None:
-            raise NotImplementedError(f"{BACKEND_NAME} does not support MoE LoRA hooks")
-        if not isinstance(quant_info, TritonSituMoeQuantInfo):
-            raise TypeError(f"{BACKEND_NAME} expects TritonSituMoeQuantInfo, got {type(quant_info).__name__}")
-        if getattr(dispatch_output, "hidden_states_scale", None) is not None:
-            raise NotImplementedError(f"{BACKEND_NAME} takes unquantized activations (no FP4 dispatch)")
-        topk_output = dispatch_output.topk_output
-        if not hasattr(topk_output, "topk_ids"):
-            raise NotImplementedError(
-                f"{BACKEND_NAME} needs the standard top-k output, got {type(topk_output).__name__}"
-            )
+        topk_output = check_dispatch(dispatch_output, quant_info, TritonSituMoeQuantInfo, hooks)
         hidden_states = dispatch_output.hidden_states
         situ = situ_params_from_config(runner_config)
         out = fused_moe_nvfp4(

@@ -29,14 +29,12 @@ def draw_all(out: Path, plots: dict[str, tuple[str, Callable[[Path], Path]]]) ->
     after the report is written, so that a failed plot never loses a report."""
     why = unavailable()
     drawn: dict[str, str] = {}
-    failed: list[str] = []
     if why is None:
         for key, (name, draw) in plots.items():
             try:
                 draw(out / name)
                 drawn[key] = name
             except Exception as e:  # a plot is decoration: report it, keep the run's result
-                failed.append(name)
                 why = why or f"{type(e).__name__}: {e}"
     skipped = [name for key, (name, _) in plots.items() if key not in drawn]
     if not skipped:
