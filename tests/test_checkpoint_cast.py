@@ -180,7 +180,7 @@ def test_layer_loader(source, cast_run):
     assert t.w2_scale_2[1] == dst["language_model.model.layers.2.block_sparse_moe.experts.0.w2.weight_scale_2"]
     with pytest.raises(KeyError, match="layer 0"):
         load_moe_layer_nvfp4(out, 0)
-    with pytest.raises(KeyError, match=r"expert\(s\) \[7\]"):
+    with pytest.raises(KeyError, match=r"layer 1 has no expert\(s\) 7 \(it has 3 experts: 0-2\)"):
         load_moe_layer_nvfp4(out, 1, experts=[7])
     with pytest.raises(KeyError, match="k3nvfp4-cast"):
         load_moe_layer_nvfp4(source, 1)
