@@ -22,7 +22,7 @@ from k3nvfp4.kernels.moe_details.fp4 import DEQUANT_PTX, SCALE_PAIR_PTX
 CONSTRAINTS = "=h,=h,=h,=h,=h,=h,=h,=h,r,r"  # as dequant_e2m1_words passes them
 PAIR_CONSTRAINTS = "=r,r"  # as decode_scale_words passes them
 ASM = DEQUANT_PTX.value if hasattr(DEQUANT_PTX, "value") else str(DEQUANT_PTX)
-TABLE = layout._word_tables("cpu")  # [8 element positions (h p j), 16 codes] -> word bits
+TABLE = layout.word_bit_tables("cpu")  # [8 element positions (h p j), 16 codes] -> word bits
 E2M1 = formats.e2m1_table().tolist()
 
 

@@ -272,3 +272,129 @@ def test_from_mxfp4_wide_exponent_spread_and_the_deep_block_warning():
     with warnings.catch_warnings():  # a 126-binade spread: no warning
         warnings.simplefilter("error")
         _from_mxfp4([_mxfp4_expert(H, I, 0, 126, seed=6)])
+
+
+# --- the fast layout (issue 28) against its first implementation, bit for bit ----------------
+# tests/layout_reference.py is the int64-gather implementation the fast one replaced. Shape
+# classes: K3's TP16 w13 rows (2I = 384) and H = 3584 (56 K tiles), EP16's w2 (I = 3072 as K),
+# TP32's w2 (K = I = 96: a padded K tile), K = 80 / 48 (padding inside a tile), several leading
+# dims; the host (numpy) path on all of them, the CUDA kernels (in Triton's interpreter here) on
+# the small ones.
+
+import layout_reference as ref  # noqa: E402
+from k3nvfp4.kernels.moe_details import layout_kernels  # noqa: E402
+
+HOST_SHAPES = [(2, 384, 1792), (1, 64, 1536), (3, 96, 48), (2, 2, 32, 40), (16, 24), (5, 16, 32)]
+KERNEL_SHAPES = [(2, 32, 48), (16, 40), (1, 48, 32)]
+
+
+def _scales(shape, k_block: int, seed: int, special: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(1, 0x7F, (*shape[:-1], 2 * shape[-1] // k_block), dtype=torch.uint8, generator=g)
+    if special:  # zero and negative scales: the BlockExceptions path
+        flat = s.view(-1)
+        flat[::7] = 0
+        flat[3::11] |= 0x80
+        flat[5::13] = 0x80
+    return s
+
+
+@pytest.mark.parametrize("shape", HOST_SHAPES)
+def test_fast_nibble_layout_equals_the_reference(shape):
+    packed = _nibbles(*shape, seed=sum(shape))
+    tiles = layout.pack_e2m1_tiles(packed)
+    assert torch.equal(tiles, ref.pack_e2m1_tiles(packed))
+    assert torch.equal(layout.unpack_e2m1_tiles(tiles, 2 * shape[-1]), packed)
+
+
+@pytest.mark.parametrize("shape", HOST_SHAPES)
+@pytest.mark.parametrize("special", [False, True])
+def test_fast_nvfp4_scale_words_equal_the_reference(shape, special):
+    packed = _nibbles(*shape, seed=1)
+    scale = _scales(shape, 16, seed=len(shape), special=special)
+    n_new, w_new, x_new = layout.pack_nvfp4_scales(packed, scale)
+    n_ref, w_ref, x_ref = ref.pack_nvfp4_scales(packed, scale)
+    assert torch.equal(w_new, w_ref) and torch.equal(n_new, n_ref)
+    assert torch.equal(x_new.index, x_ref.index) and torch.equal(x_new.scale, x_ref.scale)
+    assert torch.equal(x_new.nibbles, x_ref.nibbles) and (len(x_new) > 0) == special
+    back, s = layout.unpack_nvfp4_scales(n_new, w_new, x_new, 2 * shape[-1])
+    assert torch.equal(back, packed) and torch.equal(s.view(torch.uint8), scale)
+
+
+@pytest.mark.parametrize("shape", [s for s in HOST_SHAPES if (2 * s[-1]) % 32 == 0])
+def test_fast_e8m0_scale_words_equal_the_reference(shape):
+    g = torch.Generator().manual_seed(3)
+    e8m0 = torch.randint(100, 140, (*shape[:-1], 2 * shape[-1] // 32), dtype=torch.uint8, generator=g)
+    m = torch.randint(5, 15, shape[:-2], generator=g) if len(shape) > 2 else 9
+    words = layout.pack_e8m0_scale_tiles(e8m0, m)
+    assert torch.equal(words, ref.pack_e8m0_scale_tiles(e8m0, m))
+    k = 2 * shape[-1]
+    assert torch.equal(layout.decode_scale_words(words, k, layout.E8M0_32), ref.decode_scale_words(words, k, ref.E8M0_32))
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+def test_cuda_layout_kernels_equal_the_reference(shape):
+    """layout_kernels.py (what CUDA tensors take), run here in Triton's interpreter."""
+    packed = _nibbles(*shape, seed=11)
+    rows, half_k = shape[-2], shape[-1]
+    lay = layout.FP4TileLayout(rows, 2 * half_k)
+    units = packed.reshape(-1, 16, half_k)
+    tiles = torch.empty(units.shape[0], lay.k_tiles, 512, dtype=torch.uint8)
+    layout_kernels.pack_nibbles(units, tiles, layout.word_bit_tables())
+    assert torch.equal(tiles.reshape(*shape[:-2], *lay.packed_shape), ref.pack_e2m1_tiles(packed))
+    back = torch.empty_like(units)
+    layout_kernels.unpack_nibbles(tiles, back, layout.word_bit_tables())
+    assert torch.equal(back, units)
+    scale = _scales(shape, 16, seed=5, special=False)
+    units = scale.reshape(-1, 16, scale.shape[-1])
+    words = layout_kernels.tile_scale_bytes(units, lay.k_tiles, 2, 4, layout._e5m3_lut("cpu")[None], units.shape[0])
+    expected = ref.pack_nvfp4_scales(packed, scale)[1]
+    assert torch.equal(words.reshape(expected.shape), expected)
+    u = layout_kernels.untile_scale_bytes(words, scale.shape[-1], 2, 4)
+    assert torch.equal(u.reshape(scale.shape), layout._e5m3_lut("cpu")[scale.long()])
+    if (2 * half_k) % 32 == 0:
+        field = torch.randint(1, 255, (*shape[:-1], 2 * half_k // 32), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(6))
+        w8 = layout_kernels.tile_scale_bytes(field.reshape(-1, 16, field.shape[-1]), lay.k_tiles, 1, 7)
+        expected = ref._tile_scale_bytes(field.long(), lay, ref.E8M0_32)
+        assert torch.equal(w8.reshape(expected.shape), expected)
+        # one table per matrix (E8M0's per-expert offset): byte + 3 for matrix 0, + 5 for matrix 1, ...
+        lead = field.reshape(-1, rows, field.shape[-1]).shape[0]
+        off = torch.arange(lead) * 2 + 3
+        luts = ((torch.arange(256)[None] + off[:, None]) & 0xFF).to(torch.uint8)
+        shifted = ((field.reshape(lead, rows, -1).long() + off[:, None, None]) & 0xFF)
+        w8s = layout_kernels.tile_scale_bytes(field.reshape(-1, 16, field.shape[-1]), lay.k_tiles, 1, 7, luts, rows // 16)
+        expected = ref._tile_scale_bytes(shifted.reshape(field.shape), lay, ref.E8M0_32)
+        assert torch.equal(w8s.reshape(expected.shape), expected)
+        assert torch.equal(layout_kernels.untile_scale_bytes(w8, field.shape[-1], 1, 7).reshape(field.shape), field)
+
+
+def test_fast_layout_does_not_modify_its_inputs():
+    packed = _nibbles(2, 32, 48, seed=9)
+    scale = _scales((2, 32, 48), 16, seed=9, special=True)
+    p0, s0 = packed.clone(), scale.clone()
+    layout.pack_e2m1_tiles(packed[:, :, :40])  # a non-contiguous view, too
+    layout.pack_nvfp4_scales(packed, scale)
+    assert torch.equal(packed, p0) and torch.equal(scale, s0)
+
+
+@pytest.mark.parametrize("shape", [(2, 64, 96), (3, 96, 48), (16, 40)])
+def test_numpy_host_path_equals_the_reference(shape):
+    """layout_host's numpy path (what runs where numba cannot be imported)."""
+    from k3nvfp4.kernels.moe_details import layout_host
+
+    packed = _nibbles(*shape, seed=21)
+    rows, half_k = shape[-2], shape[-1]
+    lay = layout.FP4TileLayout(rows, 2 * half_k)
+    units = packed.reshape(-1, 16, half_k).numpy()
+    tiles = layout_host.pack_nibbles(units, lay.k_tiles, layout._host_tables(), use_numba=False)
+    assert torch.equal(torch.from_numpy(tiles).reshape(*shape[:-2], *lay.packed_shape), ref.pack_e2m1_tiles(packed))
+    assert (layout_host.unpack_nibbles(tiles, half_k, layout._host_tables(), use_numba=False) == units).all()
+    scale = _scales(shape, 16, seed=22, special=False)
+    su = scale.reshape(-1, 16, scale.shape[-1]).numpy()
+    words = layout_host.tile_scale_bytes(su, lay.k_tiles, 2, 4, layout._e5m3_lut("cpu").numpy()[None], su.shape[0],
+                                         use_numba=False)
+    expected = ref.pack_nvfp4_scales(packed, scale)[1]
+    assert torch.equal(torch.from_numpy(words).reshape(expected.shape), expected)
+    u = layout_host.untile_scale_bytes(words, scale.shape[-1], 2, 4, use_numba=False)
+    assert (u == layout._e5m3_lut("cpu").numpy()[su]).all()

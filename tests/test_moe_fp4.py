@@ -142,6 +142,38 @@ def test_e8m0_recovered_exactly_from_nvfp4():
     assert FP4MMAWeights.from_nvfp4(k3, mxfp8=False).w13_e8m0 is None
 
 
+def test_e8m0_compiled_recovery_equals_the_torch_path(monkeypatch):
+    """recover_e8m0's compiled host pass (layout_host.e8m0_from_pow2_e4m3) against its torch path
+    on exact MXFP4 blocks with every case of the rule: normal and subnormal power-of-two scales,
+    zero halves (nibbles +-0, or scale 0, which may carry any scale), all-zero blocks (byte 127),
+    per-row scale_2 exponents; and the same first-bad-block message on broken blocks."""
+    from k3nvfp4.kernels.moe_details import layout_host
+    from k3nvfp4.kernels.moe_fp4_details.weights import recover_e8m0
+
+    g = torch.Generator().manual_seed(17)
+    E, N, K = 3, 32, 128
+    packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g)
+    pow2 = torch.tensor([0x01, 0x02, 0x04, 0x08, 0x30, 0x38, 0x40, 0x70], dtype=torch.uint8)  # 2^-9 .. 2^7
+    j = pow2[torch.randint(0, len(pow2), (E, N, K // 32), generator=g)]
+    scale = j.repeat_interleave(2, dim=-1).clone()
+    halves = packed.reshape(E, N, K // 16, 8)
+    halves[:, :, 1::5] &= 0x88  # zero nibbles: the half may carry any scale
+    scale[:, :, 1::5] = pow2[3]
+    scale[:, :, 2::7] = 0  # zero scale
+    packed.reshape(E, N, K // 32, 16)[:, ::4, 3] &= 0x88  # whole blocks zero -> byte 127
+    scale_2 = torch.exp2(torch.randint(-2, 3, (E, N), generator=g).float())
+    fast = recover_e8m0(packed, scale.view(torch.float8_e4m3fn), scale_2, "w")
+    monkeypatch.setattr(layout_host, "e8m0_from_pow2_e4m3", lambda *a: None)
+    slow = recover_e8m0(packed, scale.view(torch.float8_e4m3fn), scale_2, "w")
+    assert torch.equal(fast, slow) and (fast == 127).any()
+    monkeypatch.undo()
+    bad = scale.clone()
+    bad[1, 5, 6] = 0x39  # 2^0 x 1.125: not a power of two, in a half with non-zero nibbles
+    packed.reshape(E, N, K // 16, 8)[1, 5, 6, 0] = 0x11
+    with pytest.raises(E8M0RecoveryError, match=r"w: 1 block\(s\) .* first at expert 1, row 5, 32-block 3"):
+        recover_e8m0(packed, bad.view(torch.float8_e4m3fn), scale_2, "w")
+
+
 @pytest.mark.parametrize("H,I,named", [(48, 64, "hidden size H = 48 is"), (64, 80, "intermediate size I = 80 is"),
                                        (112, 96, "hidden size H = 112 and intermediate size I = 96 are")])
 def test_fp4_modes_refuse_shapes_w4a16_accepts(H, I, named):

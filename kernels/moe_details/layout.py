@@ -46,11 +46,13 @@ Everything here is plain torch (CPU or GPU) and exactly invertible (``unpack_*``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from .. import formats
+from . import layout_host
 
 TILE_ROWS = 16
 TILE_K = 64
@@ -158,45 +160,47 @@ def _bit_targets() -> torch.Tensor:
     return t.reshape(8, 4)
 
 
-def _word_tables(device) -> torch.Tensor:
-    """int64 [8, 16]: the word bits contributed by code c at element position e."""
+def word_bit_tables(device=None) -> torch.Tensor:
+    """int64 [8, 16]: the word bits contributed by code c at element position e = 4h + 2p + j."""
     codes = torch.arange(16, dtype=torch.int64)
     bits = (codes[:, None] >> torch.arange(4)) & 1  # [16, 4]
     return (bits[None] << _bit_targets()[:, None, :]).sum(-1).to(device)
 
 
-# Leading (expert) matrices are converted a bounded number of weights at a time: the integer
-# temporaries take ~24 bytes per weight, which a whole 56-expert layer could not afford.
-_CHUNK_WEIGHTS = {"cpu": 1 << 22, "cuda": 1 << 24}
+@functools.lru_cache(maxsize=1)
+def _host_tables() -> tuple:
+    return layout_host.pair_tables(word_bit_tables().numpy().tobytes())
 
 
-def _chunks(n_lead: int, per_matrix: int, device: torch.device):
-    step = max(1, _CHUNK_WEIGHTS.get(device.type, 1 << 22) // max(per_matrix, 1))
-    for lo in range(0, n_lead, step):
-        yield lo, min(lo + step, n_lead)
+def _on_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _tile_units(packed: torch.Tensor, lay: "FP4TileLayout") -> torch.Tensor:
+    """[..., rows, k/2] -> [row tiles of all matrices, 16, k/2] (a view when contiguous)."""
+    return packed.contiguous().reshape(-1, TILE_ROWS, lay.k // 2)
 
 
 def pack_e2m1_tiles(packed: torch.Tensor) -> torch.Tensor:
     """ModelOpt nibbles uint8 [..., rows, k/2] (low nibble = even element) -> kernel layout
-    uint8 [..., rows/16, ceil(k/64), 512]. K is zero-padded to a multiple of 64."""
+    uint8 [..., rows/16, ceil(k/64), 512]. K is zero-padded to a multiple of 64. One pass over
+    the bytes: numpy on the host (layout_host.py), a Triton kernel on CUDA (layout_kernels.py);
+    temporaries of a few hundred KiB, whatever the size."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed: expected torch.uint8, got {packed.dtype}")
     if packed.dim() < 2:
         raise ValueError(f"packed: expected [..., rows, k/2], got shape {tuple(packed.shape)}")
     *lead, rows, half_k = packed.shape
     lay = FP4TileLayout(rows, 2 * half_k)
-    flat = packed.reshape(-1, rows, half_k)
-    out = torch.empty(flat.shape[0], *lay.packed_shape, dtype=torch.uint8, device=packed.device)
-    table = _word_tables(packed.device)
-    for lo, hi in _chunks(flat.shape[0], rows * half_k * 2, packed.device):
-        codes = formats.unpack_e2m1(flat[lo:hi])
-        if lay.k_padded != lay.k:
-            codes = torch.nn.functional.pad(codes, (0, lay.k_padded - lay.k))
-        c = codes.reshape(hi - lo, lay.row_tiles, 2, 8, lay.k_tiles, 4, 2, 4, 2)  # n R h g KT s j t p
-        c = c.permute(0, 1, 4, 3, 7, 5, 2, 8, 6).reshape(-1, 8).long()  # words x (h p j)
-        word = table.gather(1, c.t().contiguous()).sum(0)  # distinct bits: sum == or
-        b = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
-        out[lo:hi] = b.to(torch.uint8).reshape(hi - lo, *lay.packed_shape)
+    src = _tile_units(packed, lay)
+    out = torch.empty(src.shape[0], lay.k_tiles, TILE_BYTES, dtype=torch.uint8, device=packed.device)
+    if src.shape[0]:
+        if _on_host(packed):
+            layout_host.pack_nibbles(src.numpy(), lay.k_tiles, _host_tables(), out=out.numpy())
+        else:
+            from . import layout_kernels
+
+            layout_kernels.pack_nibbles(src, out, word_bit_tables())
     return out.reshape(*lead, *lay.packed_shape)
 
 
@@ -208,63 +212,74 @@ def unpack_e2m1_tiles(tiles: torch.Tensor, k: int) -> torch.Tensor:
     lay = FP4TileLayout(R * TILE_ROWS, k)
     if lay.k_tiles != KT:
         raise ValueError(f"tiles: {KT} K tiles do not hold k={k}")
-    flat = tiles.reshape(-1, R, KT, TILE_BYTES)
-    out = torch.empty(flat.shape[0], lay.rows, k // 2, dtype=torch.uint8, device=tiles.device)
-    targets = _bit_targets().to(tiles.device)
-    weights = (1 << torch.arange(4, device=tiles.device))
-    for lo, hi in _chunks(flat.shape[0], R * KT * TILE_BYTES * 2, tiles.device):
-        b = flat[lo:hi].reshape(-1, 4).long()
-        word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
-        codes = (((word[:, None, None] >> targets) & 1) * weights).sum(-1)  # words x 8
-        c = codes.reshape(hi - lo, R, KT, 8, 4, 4, 2, 2, 2)  # n R KT g t s h p j
-        c = c.permute(0, 1, 6, 3, 2, 5, 8, 4, 7).reshape(hi - lo, lay.rows, lay.k_padded)[..., :k]
-        out[lo:hi] = formats.pack_e2m1(c.to(torch.uint8).contiguous())
+    src = tiles.contiguous().reshape(-1, KT, TILE_BYTES)
+    out = torch.empty(src.shape[0], TILE_ROWS, k // 2, dtype=torch.uint8, device=tiles.device)
+    if src.shape[0]:
+        if _on_host(tiles):
+            layout_host.unpack_nibbles(src.numpy(), k // 2, _host_tables(), out=out.numpy())
+        else:
+            from . import layout_kernels
+
+            layout_kernels.unpack_nibbles(src, out, word_bit_tables())
     return out.reshape(*lead, lay.rows, k // 2)
 
 
-def _rotr8(x: torch.Tensor) -> torch.Tensor:
-    return ((x >> 8) | (x << 24)) & 0xFFFFFFFF
+def _tile_scale_bytes(codes: torch.Tensor, lay: FP4TileLayout, fmt: ScaleFormat,
+                      luts: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale bytes (uint8, or any integer dtype holding 0..255) [..., rows, <= k_padded / block]
+    (zero-padded to k_padded) -> scale words int32 [..., R, KT, fmt.words_per_tile] (module
+    docstring). ``luts`` uint8 [256] (one table) or [M, 256] (one per matrix of the M = prod(...)
+    leading matrices) maps each byte first. One pass: numba / numpy on the host, a Triton kernel
+    on CUDA; no temporaries of the tensor's size."""
+    if codes.dtype != torch.uint8:
+        codes = codes.to(torch.uint8)
+    lead, groups = codes.shape[:-2], codes.shape[-1]
+    units = codes.contiguous().reshape(-1, TILE_ROWS, groups)
+    per_lut = units.shape[0]
+    if luts is not None:
+        luts = luts.reshape(-1, 256)
+        per_lut = lay.row_tiles if luts.shape[0] > 1 else max(1, units.shape[0])
+    if _on_host(codes):
+        words = torch.from_numpy(layout_host.tile_scale_bytes(
+            units.numpy(), lay.k_tiles, fmt.words_per_lane, fmt.shift, None if luts is None else luts.numpy(), per_lut))
+    else:
+        from . import layout_kernels
 
-
-def _tile_scale_bytes(codes: torch.Tensor, lay: FP4TileLayout, fmt: ScaleFormat) -> torch.Tensor:
-    """Scale bytes int64 [..., rows, <= k_padded / block] (zero-padded to k_padded) -> scale words
-    int32 [..., R, KT, fmt.words_per_tile] (module docstring)."""
-    pad = lay.k_padded // fmt.block - codes.shape[-1]
-    if pad:
-        codes = torch.nn.functional.pad(codes, (0, pad))
-    lead = codes.shape[:-2]
-    n = len(lead)
-    c = codes.reshape(*lead, lay.row_tiles, 2, 8, lay.k_tiles, fmt.words_per_lane, 2)  # R hh g KT i par
-    c = c.permute(*range(n), n + 0, n + 3, n + 2, n + 4, n + 1, n + 5)  # R KT g i hh par
-    direct = (c[..., 0, 0] << fmt.shift) | (c[..., 1, 0] << (fmt.shift + 16))
-    rotated = (c[..., 0, 1] << fmt.shift) | (c[..., 1, 1] << (fmt.shift + 16))
-    words = direct | _rotr8(rotated)
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # the int32 of the same bits
-    return words.to(torch.int32).reshape(*lead, *lay.scale_shape(fmt)).contiguous()
+        words = layout_kernels.tile_scale_bytes(units, lay.k_tiles, fmt.words_per_lane, fmt.shift,
+                                                None if luts is None else luts.to(codes.device), per_lut)
+    return words.reshape(*lead, *lay.scale_shape(fmt))
 
 
 def _untile_scale_bytes(words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.Tensor:
-    """Inverse of _tile_scale_bytes: int32 [..., R, KT, words_per_tile] -> int64 scale bytes
+    """Inverse of _tile_scale_bytes: int32 [..., R, KT, words_per_tile] -> uint8 scale bytes
     [..., 16R, k / block]."""
     if words.dtype != torch.int32 or words.dim() < 3 or words.shape[-1] != fmt.words_per_tile:
         raise ValueError(f"scale words: expected int32 [..., R, KT, {fmt.words_per_tile}] for {fmt.name}, "
                          f"got {words.dtype} {tuple(words.shape)}")
     lay = FP4TileLayout(words.shape[-3] * TILE_ROWS, k)
     lead = words.shape[:-3]
-    n = len(lead)
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    w = w.reshape(*lead, lay.row_tiles, lay.k_tiles, 8, fmt.words_per_lane)  # R KT g i
-    rot = ((w << 8) | (w >> 24)) & 0xFFFFFFFF
-    byte = lambda x, hh: (x >> (fmt.shift + 16 * hh)) & 0xFF  # noqa: E731
-    c = torch.stack([torch.stack([byte(w, hh), byte(rot, hh)], -1) for hh in range(2)], -2)  # R KT g i hh par
-    c = c.permute(*range(n), n + 0, n + 4, n + 2, n + 1, n + 3, n + 5)  # R hh g KT i par
-    return c.reshape(*lead, lay.rows, lay.k_padded // fmt.block)[..., : k // fmt.block]
+    units = words.contiguous().reshape(-1, lay.k_tiles, fmt.words_per_tile)
+    groups = k // fmt.block
+    if _on_host(words):
+        codes = torch.from_numpy(layout_host.untile_scale_bytes(units.numpy(), groups, fmt.words_per_lane, fmt.shift))
+    else:
+        from . import layout_kernels
+
+        codes = layout_kernels.untile_scale_bytes(units, groups, fmt.words_per_lane, fmt.shift)
+    return codes.reshape(*lead, lay.rows, groups)
+
+
+def _apply_lut(lut: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """lut uint8 [256] applied to uint8 ``codes`` (any shape): a new uint8 tensor."""
+    if _on_host(codes):
+        return torch.from_numpy(layout_host.apply_lut(lut.numpy(), codes.contiguous().numpy()))
+    return lut.to(codes.device)[codes.long()]
 
 
 def _scale_values(codes: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
-    """Scale bytes (int64) -> float32 block scales: the bf16 the kernel's LOP3 makes of them,
+    """Scale bytes (uint8) -> float32 block scales: the bf16 the kernel's LOP3 makes of them,
     ``(byte << shift) | fill``, without the 2^(126 - ACC_SHIFT)."""
-    bits = (codes << fmt.shift) | (fmt.fill & 0xFFFF)
+    bits = (codes.to(torch.int32) << fmt.shift) | (fmt.fill & 0xFFFF)
     return (bits.to(torch.int32) << 16).view(torch.float32) / _BF16_SCALE_FACTOR
 
 
@@ -298,14 +313,22 @@ class BlockExceptions:
         return BlockExceptions(self.index.to(device), self.scale.to(device), self.nibbles.to(device))
 
 
-def _e4m3_bits(scale: torch.Tensor, name: str) -> torch.Tensor:
+def _e4m3_bits(scale: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+    """(the uint8 bits of E4M3 block scales, whether some are negative or +-0); NaN patterns
+    are refused naming ``name``."""
     if scale.dtype == torch.float8_e4m3fn:
         scale = scale.view(torch.uint8)
     if scale.dtype != torch.uint8:
         raise TypeError(f"{name}: expected float8_e4m3fn (or uint8 bits), got {scale.dtype}")
-    if ((scale & 0x7F) == 0x7F).any():
+    if _on_host(scale):
+        nan, special = layout_host.e4m3_flags(scale.contiguous().numpy())
+    else:
+        magnitude = scale & 0x7F
+        nan = bool((magnitude == 0x7F).any())
+        special = bool(scale.numel()) and (int(scale.max()) >= 0x80 or int(magnitude.min()) == 0)
+    if nan:
         raise ValueError(f"{name}: holds E4M3 NaN patterns (0x7F/0xFF); NVFP4 block scales must be finite")
-    return scale
+    return scale, special
 
 
 def pack_nvfp4_scales(packed: torch.Tensor, scale: torch.Tensor, name: str = "scale"
@@ -315,17 +338,14 @@ def pack_nvfp4_scales(packed: torch.Tensor, scale: torch.Tensor, name: str = "sc
     [..., rows/16, ceil(k/64), 16], BlockExceptions). The nibbles are the input itself unless a
     block has a zero or negative scale (then a changed copy: the input is never modified).
     NaN scale patterns are refused; errors name the tensor ``name``."""
-    bits = _e4m3_bits(scale, name)
+    bits, special = _e4m3_bits(scale, name)
     *lead, rows, groups = bits.shape
     lay = FP4TileLayout(rows, groups * formats.NVFP4_BLOCK)
-    negative = bits >= 0x80
-    zero = (bits & 0x7F) == 0
-    special = negative | zero
-    magnitude = (bits & 0x7F).view(torch.float8_e4m3fn).float()
-    u = ((magnitude * _BF16_SCALE_FACTOR).to(torch.bfloat16).view(torch.int16).to(torch.int64) >> 4) - _E5M3_FILL_BYTE
-    u = torch.where(zero, torch.full_like(u, _E5M3_ZERO), u)
+    lut = _e5m3_lut(bits.device)
     exceptions = BlockExceptions.empty(bits.device)
-    if bool(special.any()):
+    if special:  # some scale is zero or negative (never in ModelOpt's or the cast's checkpoints)
+        negative = bits >= 0x80
+        zero = (bits & 0x7F) == 0
         blocks = packed.reshape(*lead, rows, groups, formats.NVFP4_BLOCK // 2)
         kept_magnitude = (blocks & 0x77).amax(-1) != 0
         exc = negative | (zero & kept_magnitude)
@@ -335,7 +355,29 @@ def pack_nvfp4_scales(packed: torch.Tensor, scale: torch.Tensor, name: str = "sc
         flip = torch.where(negative, 0x88, 0).to(torch.uint8)[..., None]
         keep = torch.where(zero, 0x88, 0xFF).to(torch.uint8)[..., None]
         packed = ((blocks & keep) ^ flip).reshape(packed.shape)
-    return packed, _tile_scale_bytes(u, lay, E5M3_16), exceptions
+    return packed, _tile_scale_bytes(bits, lay, E5M3_16, luts=lut), exceptions
+
+
+@functools.lru_cache(maxsize=None)
+def _e5m3_lut(device) -> torch.Tensor:
+    """uint8 [256]: E4M3 bits -> the E5M3_16 byte u of |scale| (module docstring); 0 for +-0."""
+    bits = torch.arange(256, dtype=torch.int32)
+    magnitude = (bits & 0x7F).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    u = ((magnitude * _BF16_SCALE_FACTOR).to(torch.bfloat16).view(torch.int16).to(torch.int32) >> 4) - _E5M3_FILL_BYTE
+    u = torch.where((bits & 0x7F) == 0, _E5M3_ZERO, u)
+    u = torch.where((bits & 0x7F) == 0x7F, 0, u)  # NaN patterns: refused before any lookup
+    return u.to(torch.uint8).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _e5m3_inverse_lut(device) -> torch.Tensor:
+    """uint8 [256]: E5M3_16 byte u -> E4M3 bits of the positive scale (0 for u = 0; bytes no
+    E4M3 scale maps to stay 0)."""
+    inv = torch.zeros(256, dtype=torch.uint8)
+    lut = _e5m3_lut("cpu")
+    for b in range(1, 0x7F):
+        inv[int(lut[b])] = b
+    return inv.to(device)
 
 
 def unpack_nvfp4_scales(packed: torch.Tensor, words: torch.Tensor, exceptions: BlockExceptions, k: int
@@ -343,8 +385,7 @@ def unpack_nvfp4_scales(packed: torch.Tensor, words: torch.Tensor, exceptions: B
     """Inverse of :func:`pack_nvfp4_scales`: nibbles uint8 [..., rows, k/2] (unpacked from the
     tiles) and E5M3_16 words -> (the original nibbles, float8_e4m3fn scales [..., rows, k/16])."""
     u = _untile_scale_bytes(words, k, E5M3_16)
-    scale = _scale_values(u, E5M3_16).to(torch.float8_e4m3fn)
-    scale = torch.where(u == _E5M3_ZERO, torch.zeros_like(scale.view(torch.uint8)), scale.view(torch.uint8))
+    scale = _apply_lut(_e5m3_inverse_lut(u.device), u)
     if len(exceptions):
         shape = packed.shape
         blocks = packed.reshape(-1, formats.NVFP4_BLOCK // 2).clone()
@@ -368,16 +409,26 @@ def pack_e8m0_scale_tiles(e8m0: torch.Tensor, scale_2_exp: torch.Tensor, name: s
     the tensor ``name``."""
     if e8m0.dtype != torch.uint8:
         raise TypeError(f"{name}: expected uint8, got {e8m0.dtype}")
-    if (e8m0 == formats.E8M0_NAN).any():
-        raise ValueError(f"{name}: holds 255 (the E8M0 NaN); MXFP4 block exponents must be finite")
     *lead, rows, blocks32 = e8m0.shape
-    m = torch.as_tensor(scale_2_exp, dtype=torch.int64, device=e8m0.device)
-    field = e8m0.to(torch.int64) - m.reshape(*m.shape, *([1] * 2)) + (E2M1_BF16_EXP_OFFSET - ACC_SHIFT - formats.E8M0_BIAS + 127)
-    bad = (field < 0) | (field > 254)
-    if bad.any():
-        raise ValueError(f"{name}: {int(bad.sum())} block exponents fall outside bf16 for the given scale_2 exponent")
     lay = FP4TileLayout(rows, blocks32 * formats.MXFP4_BLOCK)
-    return _tile_scale_bytes(field, lay, E8M0_32)
+    if not e8m0.numel():
+        return _tile_scale_bytes(e8m0, lay, E8M0_32)
+    m = torch.as_tensor(scale_2_exp, dtype=torch.int64, device=e8m0.device)
+    per_matrix = e8m0.reshape(-1, rows * blocks32)
+    hi, lo = per_matrix.amax(1).to(torch.int64), per_matrix.amin(1).to(torch.int64)  # reductions, no copies
+    if int(hi.max()) == formats.E8M0_NAN:
+        raise ValueError(f"{name}: holds 255 (the E8M0 NaN); MXFP4 block exponents must be finite")
+    # field = e8m0 + offset (per matrix): the bf16 exponent of 2^(e - 127 - m) x 2^(126 - ACC_SHIFT)
+    offset = ((E2M1_BF16_EXP_OFFSET - ACC_SHIFT - formats.E8M0_BIAS + 127) - m).reshape(-1)
+    offset = offset.expand(per_matrix.shape[0]) if offset.numel() == 1 else offset
+    if bool(((lo + offset) < 0).any()) or bool(((hi + offset) > 254).any()):
+        field = e8m0.to(torch.int16) + offset.to(torch.int16).reshape(*lead, 1, 1) if lead else e8m0.to(torch.int16) + int(offset[0])
+        bad = int(((field < 0) | (field > 254)).sum())
+        raise ValueError(f"{name}: {bad} block exponents fall outside bf16 for the given scale_2 exponent")
+    # One 256-byte table per matrix (byte -> byte + offset) turns the bytes into fields in the
+    # tiling pass itself.
+    luts = ((torch.arange(256, device=e8m0.device)[None, :] + offset[:, None]) & 0xFF).to(torch.uint8)
+    return _tile_scale_bytes(e8m0, lay, E8M0_32, luts=luts)
 
 
 def dequantize_tiles(tiles: torch.Tensor, scale_words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.Tensor:

@@ -275,9 +275,10 @@ def _warn_deep_blocks(packed: torch.Tensor, e8m0: torch.Tensor, scale_2_exp: tor
     MXFP4 quantizers store with E8M0 0, are exact whatever their scale). scale_2_exp: the
     per-expert m of _mxfp4_scale_2_exp, which fixes the largest E8M0 byte."""
     k_max = scale_2_exp + formats.E4M3_MAX_EXP2 + formats.E8M0_BIAS  # the biased byte, per expert
-    deep = e8m0.to(torch.int64) < (k_max - _BF16_NORMAL_SPAN).reshape(-1, 1, 1)
-    if not bool(deep.any()):
+    # Per-expert minima first (a reduction, no copy): the elementwise check only where one is deep.
+    if not bool((e8m0.flatten(1).amin(1).to(torch.int64) < k_max - _BF16_NORMAL_SPAN).any()):
         return
+    deep = e8m0.to(torch.int64) < (k_max - _BF16_NORMAL_SPAN).reshape(-1, 1, 1)
     nonzero = (packed.reshape(*e8m0.shape, formats.MXFP4_BLOCK // 2) & 0x77).amax(-1) != 0
     n = int((deep & nonzero).sum())
     if n:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import formats
+from ..moe_details import layout_host
 from ..moe_details.weights import ExpertWeights, NVFP4MoEWeights, gate_up_scale_2, validate_modelopt
 
 
@@ -52,6 +53,12 @@ def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
             f"{name}: weight_scale_2 {float(scale_2[tuple(bad)]):.9g} (expert {bad[0]}) is not a power of two, "
             "so its blocks have no E8M0 scale; act_quant='mxfp8' needs a checkpoint cast bit-exactly from MXFP4"
         )
+    if packed.device.type == "cpu" and scale.device.type == "cpu":
+        fast = layout_host.e8m0_from_pow2_e4m3(packed.contiguous().numpy(), scale.contiguous().view(torch.uint8).numpy(),
+                                                m.to(torch.int32).contiguous().numpy())
+        if fast is not None and fast[1] == 0:
+            return torch.from_numpy(fast[0])
+        # else: the torch path below finds the first bad block for the message
     sf = formats.e4m3_to_float(scale).reshape(E, N, K // 32, 2)
     # [E, N, K/32, 2]: the 16-half has a non-zero value (some nibble is not +-0 and its scale is not 0)
     nz = ((packed.reshape(E, N, K // 32, 2, 8) & 0x77).amax(-1) != 0) & (sf != 0)
