@@ -176,25 +176,18 @@ def _storages(obj: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
 
 
-def build_layer_weights(layer: Any) -> Any:
-    """NVFP4MoEWeights from the layer's loaded ModelOpt tensors (linear block scales). A [E]
-    w13_weight_scale_2 (one scale_2 shared by w1 and w3) is expanded by from_modelopt."""
-    from k3nvfp4.kernels import NVFP4MoEWeights
-
-    return NVFP4MoEWeights.from_modelopt(
-        layer.w13_weight.data,
-        layer.w13_weight_scale.data,
-        layer.w13_weight_scale_2.data,
-        layer.w2_weight.data,
-        layer.w2_weight_scale.data,
-        layer.w2_weight_scale_2.data,
-    )
+def layer_modelopt_tensors(layer: Any) -> tuple:
+    """The layer's six loaded ModelOpt tensors (linear block scales), in from_modelopt's order."""
+    return (layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data,
+            layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_weight_scale_2.data)
 
 
 def prepare_layer_for_triton_situ(layer: Any) -> Any:
-    """Replaces SGLang's NVFP4 post-load processing for triton_situ; returns the weights."""
+    """Replaces SGLang's NVFP4 post-load processing for triton_situ; returns the weights. The
+    W4A16 layout is built only for act_quant none; the FP4 modes take the ModelOpt tensors as
+    they are (set_kernel_weights)."""
     check_modelopt_layer_supported(layer)
-    weights = set_kernel_weights(layer, build_layer_weights(layer))
+    weights = set_kernel_weights(layer, layer_modelopt_tensors(layer))
     layer.w13_blockscale_swizzled = None
     layer.w2_blockscale_swizzled = None
     free_checkpoint_params(layer, weights, _MODELOPT_PARAMS)
@@ -204,7 +197,8 @@ def prepare_layer_for_triton_situ(layer: Any) -> Any:
 
 def set_kernel_weights(layer: Any, weights: Any) -> Any:
     """Store on the layer what the kernels take in the K3NVFP4_ACT_QUANT mode (and the static
-    NVFP4 input scale, if asked for); returns the weights stored."""
+    NVFP4 input scale, if asked for); returns the weights stored. ``weights``: NVFP4MoEWeights
+    or the six ModelOpt tensors (act_quant.kernel_weights_for_mode)."""
     from .act_quant import INPUT_SCALE_ATTR, kernel_weights_for_mode, selected_act_quant, static_input_scale
 
     act_quant = selected_act_quant()
