@@ -26,7 +26,8 @@
 # ({config file name: content}; names hold '=' and ',', which the device tool does not bring back),
 # extras.tgz (per-step logs, junit XML, tuner reports, the tuned JSON files under their real names).
 # Exit status: 0 all steps passed, 1 some step failed, 3 no GPU (after the import check).
-# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH T_GRAPH T_SASS T_MARLIN_LIB.
+#   5d. prep     bench/bench_prep.py on CUDA: the load-time preparation of one K3 TP16 layer (GB/s, peak memory)
+# Step limits (seconds) can be overridden: T_TESTS_GPU T_TESTS_KERNELS T_TUNE T_BENCH T_GRAPH T_PREP T_SASS T_MARLIN_LIB.
 # GRAPH_MODES: the modes bench_graph.py captures (default w4a16).
 set -u
 set -o pipefail
@@ -54,7 +55,8 @@ STEPS=$WORK/steps.tsv
 T_TESTS_GPU=${T_TESTS_GPU:-75}
 T_TESTS_KERNELS=${T_TESTS_KERNELS:-40}
 T_TUNE=${T_TUNE:-35}
-T_BENCH=${T_BENCH:-160}
+T_BENCH=${T_BENCH:-130}
+T_PREP=${T_PREP:-30}
 T_GRAPH=${T_GRAPH:-90}
 T_SASS=${T_SASS:-45}
 T_MARLIN_LIB=${T_MARLIN_LIB:-30}
@@ -227,6 +229,7 @@ TUNE_TP="$PY -P -m k3nvfp4.kernels.tune --E 896 --H 3584 --I 192 --top-k 16 --ba
 TUNE_EP="$PY -P -m k3nvfp4.kernels.tune --E 56 --global-experts 896 --H 3584 --I 3072 --top-k 16 --batch-sizes 1,64,1024,16384 --space small --iters 20 --time-budget $((T_TUNE - 20)) --out-dir $WORK/configs --report $WORK/reports/tune_ep16.json --no-progress"
 BENCH="$PY bench/bench_moe.py --out-dir $OUT --time-budget $((T_BENCH - 40))"
 SASS="$PY -P bench/sass_report.py --devices H200 --shards tp16,ep16 --no-peers --out $OUT/perf-model.json"
+PREP="$PY -P bench/bench_prep.py --device cuda --shapes tp16 --paths nvfp4,mxfp4 --out $OUT/prep-cuda.json"
 # W4A16 only by default: on Hopper the FP4 modes are a decomposed correctness path (pytest -m gpu
 # covers them) and would not fit the step's limit; on Blackwell set GRAPH_MODES=w4a16,nvfp4,mxfp8.
 GRAPH_MODES=${GRAPH_MODES:-w4a16}
@@ -246,6 +249,7 @@ if [ "$REHEARSAL" = 1 ]; then
     BENCH="$PY bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --m-list 1,8 --quick --out-dir $OUT"
     SASS="$PY -P bench/sass_report.py --devices H200 --no-peers --shards tp16 --m-list 1 --out $OUT/perf-model.json"
     GRAPH="$PY bench/bench_graph.py --cpu-rehearsal --modes $GRAPH_MODES --m-list 1,8 --out $OUT/graph.json"
+    PREP="$PY -P bench/bench_prep.py --device cpu --shapes tiny --paths nvfp4,mxfp4 --out $OUT/prep-cuda.json"
     # build (cached by source hash: ~3-4 min on 2 cores the first time, seconds after), then the same checks
     MARLIN_LIB="$PY -P bench/peers/marlin/build.py --check --json $OUT/marlin-lib.json"
     T_MARLIN_LIB=${T_MARLIN_LIB_BUILD:-900}
@@ -261,6 +265,7 @@ if [ "$DRY_RUN" = 1 ]; then
     log "  marlin_lib    ($T_MARLIN_LIB s): $MARLIN_LIB"
     log "  bench         ($T_BENCH s): K3NVFP4_MOE_CONFIG_DIR=$WORK/configs $BENCH"
     log "  graph         ($T_GRAPH s): $GRAPH"
+    log "  prep          ($T_PREP s): $PREP"
     log "  sass          ($T_SASS s): $SASS"
     finish dry_run 0
 fi
@@ -295,6 +300,10 @@ step bench "$T_BENCH" $BENCH
 # ---- 5c. launches per call and CUDA-graph replay at decode sizes (same configs) -------------------
 # shellcheck disable=SC2086
 step graph "$T_GRAPH" $GRAPH
+
+# ---- 5d. load-time preparation of one K3 layer on the GPU (Triton layout kernels) -----------------
+# shellcheck disable=SC2086
+step prep "$T_PREP" $PREP
 
 # ---- 6. static SASS figures of the configs just benchmarked (installed Triton; offline compile) ---
 # shellcheck disable=SC2086
