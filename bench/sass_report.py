@@ -142,25 +142,66 @@ def baseline_heuristic(rev: str):
     return mod.heuristic_moe_config
 
 
-class Statics:
-    """Offline compiles of our GEMMs, cached per (GEMM launch, arch)."""
+def _measure_job(job: tuple) -> dict:
+    """One offline compile and measurement (a worker process's task; Statics.prefetch)."""
+    from k3nvfp4.kernels.offline.compile_check import measure_gemm
 
-    def __init__(self):
+    kind, cfg, H, I, top_k, arch, kernel_id = job
+    try:
+        return measure_gemm(kind, cfg, H, I, top_k, arch, scale_fmt=kernel_id)
+    except Exception as e:  # reported in the row, not hidden
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+class Statics:
+    """Offline compiles of our GEMMs, cached per (GEMM launch, arch). With ``planning`` it only
+    records which compiles a pass over the rows needs (the rows it returns are discarded), so that
+    :meth:`prefetch` can run them in parallel before the real pass."""
+
+    def __init__(self, planning: bool = False):
         self.cache: dict = {}
         self.errors: list[str] = []
+        self.planning = planning
+        self.jobs: dict = {}  # key -> job tuple, in first-seen order
+
+    @staticmethod
+    def _key(kind: str, cfg, shard, fmt) -> tuple:
+        return (cfg.gemm(kind), (shard.hidden % cfg.block_k1 == 0, shard.intermediate % cfg.block_k2 == 0), fmt.name)
 
     def get(self, kind: str, cfg, shard, arch: int, fmt) -> dict:
-        from k3nvfp4.kernels.offline.compile_check import measure_gemm
-
-        key = (cfg.gemm(kind), arch, (shard.hidden % cfg.block_k1 == 0, shard.intermediate % cfg.block_k2 == 0), fmt.name)
+        key = (*self._key(kind, cfg, shard, fmt), arch)
+        job = (kind, cfg, shard.hidden, shard.intermediate, shard.top_k, arch, fmt.kernel_id)
+        if self.planning:
+            self.jobs.setdefault(key, job)
+            return {"error": "planned"}
         if key not in self.cache:
-            try:
-                self.cache[key] = measure_gemm(kind, cfg, shard.hidden, shard.intermediate, shard.top_k, arch,
-                                               scale_fmt=fmt.kernel_id)
-            except Exception as e:  # reported in the row, not hidden
-                self.cache[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                self.errors.append(f"sm_{arch} {kind} {cfg.gemm(kind).label()}: {e}")
+            self._store(key, job, _measure_job(job))
         return self.cache[key]
+
+    def _store(self, key: tuple, job: tuple, result: dict) -> None:
+        self.cache[key] = result
+        if "error" in result:
+            kind, cfg, arch = job[0], job[1], job[5]
+            self.errors.append(f"sm_{arch} {kind} {cfg.gemm(kind).label()}: {result['error']}")
+
+    def prefetch(self, jobs: dict, workers: int | None = None) -> None:
+        """Compile and measure ``jobs`` (key -> job, as a planning Statics collected them) in
+        ``workers`` processes (default: one per CPU). Each compile is single-threaded: Triton's
+        passes, ptxas, cuobjdump and nvdisasm one after the other, so on two cores two at a time
+        halve the report's time."""
+        todo = {k: j for k, j in jobs.items() if k not in self.cache}
+        workers = min(workers or os.cpu_count() or 1, len(todo))
+        if workers <= 1:
+            for k, j in todo.items():
+                self._store(k, j, _measure_job(j))
+            return
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        # spawn, not fork: the parent has torch's and Triton's threads running.
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            for (k, j), result in zip(todo.items(), pool.map(_measure_job, todo.values())):
+                self._store(k, j, result)
 
 
 CHECKPOINTS = ("nvfp4", "mxfp4")  # the cast checkpoint (E5M3_16 layout), the MXFP4 release (E8M0_32)
@@ -436,6 +477,8 @@ def parse_args(argv=None):
     p.add_argument("--baseline", default=None, metavar="REV",
                    help="use the heuristic of git revision REV instead of get_moe_config (before/after)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/perf-model.json)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="compile processes (default: one per CPU; each compile is single-threaded)")
     p.add_argument("--write-readme", action="store_true", help="replace the table in bench/README.md")
     p.add_argument("--check", action="store_true",
                    help="also the change detectors (report_check.py): stale tile tables, and every row against "
@@ -470,11 +513,15 @@ def main(argv=None) -> int:
         return 2
     heuristic = baseline_heuristic(args.baseline) if args.baseline else None
     statics = Statics()
+    passes = [(d, args.shards.split(",") if args.shards else DEVICE_SHARDS[d], ckpt)
+              for d in devices for ckpt in (CHECKPOINTS if not args.baseline else ("nvfp4",))]
+    plan = Statics(planning=True)  # which compiles the rows need, then all of them in parallel
+    for d, shards, ckpt in passes:
+        our_rows(d, shards, m_list, plan, heuristic, ckpt)
+    statics.prefetch(plan.jobs, args.workers)
     rows = []
-    for d in devices:
-        for ckpt in CHECKPOINTS if not args.baseline else ("nvfp4",):
-            rows += our_rows(d, args.shards.split(",") if args.shards else DEVICE_SHARDS[d], m_list, statics, heuristic,
-                             ckpt)
+    for d, shards, ckpt in passes:
+        rows += our_rows(d, shards, m_list, statics, heuristic, ckpt)
     skip = {"available": False, "reason": "--no-peers", "rows": [], "validation": []}
     result = {
         "device": "offline compile and static model (no GPU)",
