@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..common.cli import HelpFormatter
 from .convert import CastOptions, format_summary, run_cast
 from .layout import REPORT_FILE
 from .safetensors_io import CheckpointError
@@ -15,7 +16,7 @@ from .safetensors_io import CheckpointError
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="k3nvfp4-cast",
+        prog="k3nvfp4-cast", formatter_class=HelpFormatter,
         description="Cast a Kimi-K3 MXFP4 (compressed-tensors) checkpoint into a ModelOpt NVFP4 one, "
         "bit-exactly, streaming shard by shard. Runs on CPU. Re-running a finished cast of the same source "
         "with the same options does nothing (with --verify: verifies it again); an interrupted one resumes.",

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from ..common.cli import HelpFormatter
 from .layout import (
     COMPRESSED_TENSORS_MXFP4_FORMAT,
     CONFIG_FILE,
@@ -553,18 +554,22 @@ def write_synthetic_checkpoint(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3nvfp4.checkpoint.synthetic", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m k3nvfp4.checkpoint.synthetic", description=__doc__.split("\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--out", required=True, help="output directory (absent or empty)")
     ap.add_argument("--layers", type=int, default=2, help="hidden layers incl. the dense layer 0")
-    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
     ap.add_argument("--hidden", type=int, default=256, help="routed-expert hidden size H")
     ap.add_argument("--intermediate", type=int, default=128, help="routed-expert intermediate size I")
     ap.add_argument("--model-hidden", type=int, default=None, help="residual width (default 2*H)")
-    ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--shards", type=int, default=3)
-    ap.add_argument("--out-of-range-fraction", type=float, default=0.0)
-    ap.add_argument("--zero-exponent-fraction", type=float, default=0.01)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-k", type=int, default=4, help="experts per token")
+    ap.add_argument("--shards", type=int, default=3, help="safetensors shards to spread the tensors over")
+    ap.add_argument("--out-of-range-fraction", type=float, default=0.0,
+                    help="fraction of MXFP4 blocks more than 17 binades below their matrix's largest "
+                         "(the cast re-quantizes those)")
+    ap.add_argument("--zero-exponent-fraction", type=float, default=0.01,
+                    help="fraction of blocks stored with E8M0 exponent 0 (all-zero blocks)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the tensors")
     args = ap.parse_args(argv)
     try:
         path = write_synthetic_checkpoint(

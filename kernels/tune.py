@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..common.cli import HelpFormatter
 from ..common.files import write_json_atomic
 from .interpreter import kernels_interpreted, rerun_with_interpreter
 from .moe_details.config import (
@@ -504,7 +505,7 @@ DEFAULT_BATCH_SIZES = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="k3nvfp4-tune",
+        prog="k3nvfp4-tune", formatter_class=HelpFormatter,
         description="Tune the fused NVFP4 MoE launch configs for one shape on the current GPU and write "
         "the JSON that the kernel reads at run time.",
     )
@@ -536,12 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interpret", action="store_true", help="same as --device cpu")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="activation dtype (default bf16 on cuda, fp32 on cpu)")  # fmt: skip
-    p.add_argument("--activation", choices=("situ", "silu"), default="situ")
+    p.add_argument("--activation", choices=("situ", "silu"), default="situ", help="gated activation of the tuned calls")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs per config (cuda 5, cpu 1)")
     p.add_argument("--iters", type=int, default=None, help="timed runs per config, median taken (cuda 50, cpu 2)")
     p.add_argument("--tol", type=float, default=None,
                    help="max normwise error vs the reference (default 2e-2 bf16/fp16, 1e-4 fp32)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights and routing")
     p.add_argument("--no-resume", action="store_true", help="ignore (and overwrite) partial results")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     return p

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ...common.cli import HelpFormatter
 from .errors import ABError
 
 
@@ -24,7 +25,7 @@ def _arm(s: str) -> tuple[str, str]:
 
 
 def _add_layer(sub) -> None:
-    p = sub.add_parser("layer", help="layer-level A/B of one MoE layer (reference, triton_situ, marlin)",
+    p = sub.add_parser("layer", formatter_class=HelpFormatter, help="layer-level A/B of one MoE layer (reference, triton_situ, marlin)",
                        description="Run one NVFP4 MoE layer through every arm on the same routed inputs and "
                                    "compare outputs. Arms that cannot run are reported 'not available: <reason>'.")
     src = p.add_mutually_exclusive_group(required=True)
@@ -37,7 +38,7 @@ def _add_layer(sub) -> None:
     p.add_argument("--intermediate", type=int, default=128, help="--synthetic: intermediate size I (K3 TP16: 192)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: checkpoint's, synthetic 4)")
     p.add_argument("--tokens", type=int, default=64, help="number of tokens M")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the synthetic inputs and routing")
     p.add_argument("--activations", type=Path, help=".pt/.safetensors with hidden_states, topk_ids, topk_weights")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="activation dtype; float32 is an exactness check of triton_situ vs the reference "
@@ -56,7 +57,7 @@ def _add_serve(sub) -> None:
     from .serve import ServeConfig
 
     d = ServeConfig(arms=[], out_dir=Path("."))
-    p = sub.add_parser("serve", help="server-level A/B of two OpenAI-compatible endpoints",
+    p = sub.add_parser("serve", formatter_class=HelpFormatter, help="server-level A/B of two OpenAI-compatible endpoints",
                        description="Send the same prompts to two SGLang servers (one per MoE backend) and compare "
                                    "greedy outputs token by token and pass@1 over seeds. Without --arm (or with "
                                    "--print-launch) it prints the two launch commands it expects.")
@@ -72,7 +73,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--model", default=None, help="model name sent in requests (default: each server's first /v1/models id)")
     p.add_argument("--prompts", default=None, help="prompt JSONL (default: built-in arithmetic + multiple-choice set)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight per arm")
     p.add_argument("--retries", type=int, default=d.retries, help="extra attempts on connection errors, timeouts, 5xx")
     p.add_argument("--backoff", type=float, default=d.backoff_s, help="first retry wait in s, doubled each retry")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request timeout in s")
@@ -80,7 +81,8 @@ def _add_serve(sub) -> None:
                    help="generation budget; large because reasoning models truncate thinking otherwise")
     p.add_argument("--reasoning-effort", default=None, help="passed through (K3: low / high / max)")
     p.add_argument("--seeds", type=int, default=d.seeds, help="seed 0 greedy, seeds >= 1 temperature 0.6 top_p 0.95")
-    p.add_argument("--top-logprobs", type=int, default=d.top_logprobs)
+    p.add_argument("--top-logprobs", type=int, default=d.top_logprobs,
+                   help="alternatives per position in the logprob comparison")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true",
                    help="write report.json and summary.md only (without matplotlib the plots are skipped anyway)")
@@ -138,11 +140,14 @@ def _layer(args, as_script: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `k3nvfp4-ab`; returns the exit status (0 ok, 2 environment/input error)."""
     parser = argparse.ArgumentParser(prog="k3nvfp4-ab", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+                                     formatter_class=HelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = parser.add_subparsers(dest="cmd", metavar="{layer,serve}")
     _add_layer(sub)
     _add_serve(sub)
     args = parser.parse_args(argv)
+    if args.cmd is None:  # no command: what the tool does and its two commands, not a bare usage error
+        parser.print_help(sys.stderr)
+        return 2
     try:
         return _serve(args) if args.cmd == "serve" else _layer(args, as_script=argv is None)
     except ABError as e:
