@@ -324,3 +324,26 @@ def test_error_budget_of_the_fp4_modes_adds_up():
         assert abs(mode - math.hypot(x, a)) < 0.1 * mode, (mode, x, a)
         assert abs(a - e["intermediate nvfp4 (dynamic per row)"]) < 0.1 * a
         assert e["mode mxfp8 (W4A8)"] < mode / 2.5
+
+
+def test_e8m0_torch_path_in_expert_chunks_counts_and_names_across_chunks(monkeypatch):
+    """The torch path of recover_e8m0 (CUDA, no numba) runs in expert chunks to bound its
+    temporaries: with one expert per chunk, the same bytes, and a bad block in expert 2 is
+    named with its expert number and the total count over all chunks."""
+    from k3nvfp4.kernels.moe_details import layout_host
+    from k3nvfp4.kernels.moe_fp4_details import weights as fw
+
+    (w13, e13, w2, e2), w = _mxfp4_weights(4, 64, 64, seed=9)
+    mo = w.to_modelopt()
+    rows13 = mo.w13_scale_2.repeat_interleave(64, dim=1).cpu()
+    whole = fw.recover_e8m0(mo.w13.cpu(), mo.w13_scale.cpu(), rows13, "w13")
+    monkeypatch.setattr(layout_host, "e8m0_from_pow2_e4m3", lambda *a: None)
+    monkeypatch.setattr(fw, "_RECOVERY_CHUNK_BLOCKS", 1)
+    assert torch.equal(fw.recover_e8m0(mo.w13.cpu(), mo.w13_scale.cpu(), rows13, "w13"), whole)
+    bad = mo.w13_scale.cpu().view(torch.uint8).clone()
+    packed = mo.w13.cpu().clone()
+    for e in (2, 3):
+        bad[e, 7, 0] = 0x39  # 1.125: no power of two
+        packed[e, 7, 0] = 0x11
+    with pytest.raises(E8M0RecoveryError, match=r"w13: 2 block\(s\) .* first at expert 2, row 7, 32-block 0"):
+        fw.recover_e8m0(packed, bad.view(torch.float8_e4m3fn), rows13, "w13")

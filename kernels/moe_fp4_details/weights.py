@@ -59,6 +59,35 @@ def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
         if fast is not None and fast[1] == 0:
             return torch.from_numpy(fast[0])
         # else: the torch path below finds the first bad block for the message
+    # The torch path (CUDA, or the host without numba, or a bad block to name): experts in chunks,
+    # so that its float temporaries (~40 bytes per 32-block) stay bounded whatever the layer.
+    step = max(1, _RECOVERY_CHUNK_BLOCKS // max(1, N * (K // 32)))
+    out, bad_total, first = [], 0, None
+    for e0 in range(0, E, step):
+        byte, bad, why = _recover_chunk(packed[e0:e0 + step], scale[e0:e0 + step], m[e0:e0 + step])
+        out.append(byte)
+        if why is not None:
+            bad_total += bad
+            if first is None:
+                first = (why[0] + e0, *why[1:])
+    if first is not None:
+        e, n, b, why = first
+        raise E8M0RecoveryError(
+            f"{name}: {bad_total} block(s) are not exact MXFP4; first at expert {e}, row {n}, 32-block {b} "
+            f"(elements {32 * b}..{32 * b + 31}): {why}. act_quant='mxfp8' is refused for this matrix"
+        )
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+_RECOVERY_CHUNK_BLOCKS = 1 << 22  # 32-blocks per torch-path chunk: ~160 MB of temporaries at most
+
+
+def _recover_chunk(packed: torch.Tensor, scale: torch.Tensor, m: torch.Tensor
+                   ) -> tuple[torch.Tensor, int, tuple | None]:
+    """recover_e8m0's rule on experts packed [e, N, K/2], scale [e, N, K/16], m int32 [e, N]:
+    (bytes uint8 [e, N, K/32], bad-block count, (expert, row, block, why) of the first or None)."""
+    E, N, half_k = packed.shape
+    K = half_k * 2
     sf = formats.e4m3_to_float(scale).reshape(E, N, K // 32, 2)
     # [E, N, K/32, 2]: the 16-half has a non-zero value (some nibble is not +-0 and its scale is not 0)
     nz = ((packed.reshape(E, N, K // 32, 2, 8) & 0x77).amax(-1) != 0) & (sf != 0)
@@ -70,16 +99,15 @@ def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
     used = nz.any(-1)
     out_of_range = used & ((byte < 1) | (byte > 254))
     bad = half_bad.any(-1) | disagree | out_of_range
+    first = None
     if bool(bad.any()):
         e, n, b = torch.nonzero(bad)[0].tolist()
         why = ("a block scale that is not a power of two (a re-quantized block)" if bool(half_bad[e, n, b].any())
                else "two 16-block scales that differ" if bool(disagree[e, n, b])
                else f"an exponent outside E8M0 [1, 254] (byte {int(byte[e, n, b])})")
-        raise E8M0RecoveryError(
-            f"{name}: {int(bad.sum())} block(s) are not exact MXFP4; first at expert {e}, row {n}, 32-block {b} "
-            f"(elements {32 * b}..{32 * b + 31}): {why}. act_quant='mxfp8' is refused for this matrix"
-        )
-    return torch.where(used, byte, torch.full_like(byte, formats.E8M0_BIAS)).to(torch.uint8).contiguous()
+        first = (e, n, b, why)
+    out = torch.where(used, byte, torch.full_like(byte, formats.E8M0_BIAS)).to(torch.uint8).contiguous()
+    return out, int(bad.sum()), first
 
 
 @dataclass(frozen=True)
