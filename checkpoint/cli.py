@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..common.cli import HelpFormatter
-from .convert import CastOptions, format_summary, run_cast
+from .convert import STATE_DIR, CastOptions, format_summary, run_cast
 from .layout import REPORT_FILE
 from .safetensors_io import CheckpointError
 
@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = run_cast(opts)
     except CheckpointError as exc:
         print(f"k3nvfp4-cast: error: {exc}", file=sys.stderr)
+        hint = _what_remains(args.output_ckpt, str(exc))
+        if hint:
+            print(f"k3nvfp4-cast: {hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("k3nvfp4-cast: interrupted; run the same command again to resume", file=sys.stderr)
@@ -63,6 +66,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_summary(report))
     print(f"report: {args.output_ckpt / REPORT_FILE}")
     return 0
+
+
+def _what_remains(out: Path, message: str) -> str | None:
+    """After a failed cast: what it left in ``out`` (finished shards, the resume state) and how to
+    go on; None where it left nothing, or the error already says what to do with ``out``."""
+    state = out / STATE_DIR
+    if "--overwrite" in message or not state.is_dir() or (out / REPORT_FILE).exists():
+        return None
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    kept = f"{len(shards)} finished shard(s) and" if shards else "no finished shard, only"
+    return (f"{out} keeps {kept} this cast's resume state ({STATE_DIR}/). The same command resumes from them "
+            "while the source stays as it is; once the source is fixed or replaced its fingerprint differs, so "
+            f"run with --overwrite (or remove {out}) to start over.")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,8 @@ def test_nan_exponent(src, tmp_path, capsys):
     rc, err = _run(src, out, capsys)
     assert rc == 1 and "255" in err and "NaN" in err and SCALE.rsplit(".", 1)[0] in err and str(path) in err
     _assert_no_corrupt_output(out)
+    # what the failed run left and how to go on (issue 29, item 7)
+    assert f"{out} keeps " in err and "resume state (.k3nvfp4-cast/)" in err and "--overwrite" in err, err
 
 
 W2_SCALE = PACKED.replace("weight_packed", "weight_scale")
