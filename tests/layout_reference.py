@@ -1,121 +1,34 @@
 """The kernel layout's first implementation (kernels/moe_details/layout.py before issue 28: int64
-gathers over index tensors, 0.03 GB/s), kept verbatim as the test reference of the fast one:
+gathers over index tensors, 0.03 GB/s), kept as the test reference of the fast one:
 tests/test_layout.py asserts bit-for-bit equality of both on every format and shape class. Test
-helper, never product code; the hand-derived checks in test_layout.py and the PTX emulator of
-test_fp4_ptx.py prove the placement itself independently of both."""
+helper, never product code.
+
+Only the permutation code is its own (the old nibble gather, the old scale-word tiling and
+E5M3 byte arithmetic); the shape bookkeeping (FP4TileLayout), the scale formats, the block
+exceptions and the bit placement's definition (_bit_targets, WORD_ROTATIONS) are layout.py's,
+which the hand-derived checks in test_layout.py and the PTX emulator of test_fp4_ptx.py prove
+independently of both implementations."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from k3nvfp4.kernels import formats
-
-TILE_ROWS = 16
-TILE_K = 64
-TILE_BYTES = TILE_ROWS * TILE_K // 2  # 512
-# bf16 bits of a bit-placed E2M1 code read as value x 2^-E2M1_BF16_EXP_OFFSET.
-E2M1_BF16_EXP_OFFSET = 126
-# Dequantized bf16 weights carry 2^-ACC_SHIFT; the kernels undo it on the fp32 accumulator.
-ACC_SHIFT = 7
-ACC_SCALE = float(2**ACC_SHIFT)
-# Stored bf16 block scale = e4m3 scale x this (the bit-placed E2M1's 2^-126, less ACC_SHIFT).
-_BF16_SCALE_FACTOR = 2.0 ** (E2M1_BF16_EXP_OFFSET - ACC_SHIFT)
-
-
-
-@dataclass(frozen=True)
-class ScaleFormat:
-    """How the kernel layout stores block scales (one byte each) and the kernel decodes them:
-    bf16x2 pair = ``(rotl(word, 0 or 8) & mask) | fill``."""
-
-    name: str
-    block: int  # weights per scale
-    kernel_id: int  # the kernels' SCALE_FMT constexpr
-    shift: int  # bit of the byte's LSB in the bf16 half
-    fill: int  # constant bf16x2 bits OR-ed in (the exponent's fixed high bits)
-
-    @property
-    def mask(self) -> int:
-        return (0xFF << self.shift) | (0xFF << (self.shift + 16))
-
-    @property
-    def words_per_lane(self) -> int:
-        """Scale words per lane and tile (each holds 2 pairs = 2 K steps' or 32-blocks' scales)."""
-        return TILE_K // self.block // 2
-
-    @property
-    def words_per_tile(self) -> int:
-        return 8 * self.words_per_lane
-
-    @property
-    def bytes_per_weight(self) -> float:
-        """Bytes the kernel streams per weight: the nibble and the scale byte's share."""
-        return 0.5 + 1.0 / self.block
-
-
-E5M3_16 = ScaleFormat("e5m3/16", formats.NVFP4_BLOCK, 0, 4, 0x70007000)
-E8M0_32 = ScaleFormat("e8m0/32", formats.MXFP4_BLOCK, 1, 7, 0)
-SCALE_FORMATS = (E5M3_16, E8M0_32)
-# E5M3_16's byte: u = (bf16 bits of scale x 2^119) >> 4, less the fixed exponent bits (0x7000 >> 4).
-_E5M3_FILL_BYTE = 0x700
-_E5M3_ZERO = 0  # u of zero scales (no non-zero scale has u < 104)
-
-SIGN_MASK = 0x80008000
-MAG_MASK = 0x01C001C0
-BF16X2_E2M1_MASK = SIGN_MASK | MAG_MASK
-# (sign rotation, magnitude rotation) of the word's 4 bf16x2 outputs; output o holds rows
-# g + 8 * (o % 2) at K offsets 2t + 8 * (o // 2) (low half) and + 1 (high half).
-WORD_ROTATIONS = ((0, 0), (1, 3), (2, 12), (6, 6))
-
-
-@dataclass(frozen=True)
-class FP4TileLayout:
-    """Shape bookkeeping of one matrix [rows, k] in the kernel-native layout."""
-
-    rows: int
-    k: int
-
-    def __post_init__(self) -> None:
-        if self.rows % TILE_ROWS:
-            raise ValueError(f"FP4TileLayout: rows={self.rows} must be a multiple of {TILE_ROWS}")
-        if self.k % formats.NVFP4_BLOCK:
-            raise ValueError(f"FP4TileLayout: k={self.k} must be a multiple of {formats.NVFP4_BLOCK}")
-
-    @property
-    def row_tiles(self) -> int:
-        return self.rows // TILE_ROWS
-
-    @property
-    def k_tiles(self) -> int:
-        return -(-self.k // TILE_K)
-
-    @property
-    def k_padded(self) -> int:
-        return self.k_tiles * TILE_K
-
-    @property
-    def packed_shape(self) -> tuple[int, int, int]:
-        return (self.row_tiles, self.k_tiles, TILE_BYTES)
-
-    def scale_shape(self, fmt: ScaleFormat) -> tuple[int, int, int]:
-        return (self.row_tiles, self.k_tiles, fmt.words_per_tile)
-
-
-def _bit_targets() -> torch.Tensor:
-    """int64 [8, 4]: word bit of each code bit (mantissa, e0, e1, sign) of the word's element
-    e = 4h + 2p + j (row half h, K parity p, K offset 8j)."""
-    t = torch.empty(2, 2, 2, 4, dtype=torch.int64)
-    for h in range(2):
-        for p in range(2):
-            for j in range(2):
-                rs, rm = WORD_ROTATIONS[2 * j + h]
-                base = 16 * p  # bf16 half of the output register
-                # rotl(w, r) moves word bit (q - r) mod 32 to bit q.
-                t[h, p, j] = torch.tensor([(base + 6 - rm) % 32, (base + 7 - rm) % 32,
-                                           (base + 8 - rm) % 32, (base + 15 - rs) % 32])
-    return t.reshape(8, 4)
+from k3nvfp4.kernels.moe_details.layout import (  # noqa: F401  (E8M0_32, E5M3_16: used by the tests as ref.*)
+    _BF16_SCALE_FACTOR,
+    _E5M3_FILL_BYTE,
+    _E5M3_ZERO,
+    ACC_SHIFT,
+    E2M1_BF16_EXP_OFFSET,
+    E5M3_16,
+    E8M0_32,
+    TILE_BYTES,
+    TILE_ROWS,
+    BlockExceptions,
+    FP4TileLayout,
+    ScaleFormat,
+    _bit_targets,
+)
 
 
 def _word_tables(device) -> torch.Tensor:
@@ -234,30 +147,6 @@ def decode_scale_words(words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.T
     return _scale_values(_untile_scale_bytes(words, k, fmt), fmt)
 
 
-@dataclass(frozen=True)
-class BlockExceptions:
-    """The original bytes of NVFP4 blocks whose scale has no E5M3_16 byte (zero or negative
-    scales whose nibbles the layout changed; see the module docstring), for ``to_modelopt``.
-    index int64 [n] into the flattened [..., rows, k/16] scale tensor; scale uint8 [n] (E4M3
-    bits); nibbles uint8 [n, 8]. Empty for checkpoints from ModelOpt or the cast."""
-
-    index: torch.Tensor
-    scale: torch.Tensor
-    nibbles: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.index.numel())
-
-    @staticmethod
-    def empty(device=None) -> "BlockExceptions":
-        return BlockExceptions(torch.zeros(0, dtype=torch.int64, device=device),
-                               torch.zeros(0, dtype=torch.uint8, device=device),
-                               torch.zeros(0, 8, dtype=torch.uint8, device=device))
-
-    def to(self, device) -> "BlockExceptions":
-        return BlockExceptions(self.index.to(device), self.scale.to(device), self.nibbles.to(device))
-
-
 def _e4m3_bits(scale: torch.Tensor, name: str) -> torch.Tensor:
     if scale.dtype == torch.float8_e4m3fn:
         scale = scale.view(torch.uint8)
@@ -338,13 +227,3 @@ def pack_e8m0_scale_tiles(e8m0: torch.Tensor, scale_2_exp: torch.Tensor, name: s
         raise ValueError(f"{name}: {int(bad.sum())} block exponents fall outside bf16 for the given scale_2 exponent")
     lay = FP4TileLayout(rows, blocks32 * formats.MXFP4_BLOCK)
     return _tile_scale_bytes(field, lay, E8M0_32)
-
-
-def dequantize_tiles(tiles: torch.Tensor, scale_words: torch.Tensor, k: int, fmt: ScaleFormat) -> torch.Tensor:
-    """Plain-torch value of kernel-layout weights without scale_2: uint8 [..., R, KT, 512] and
-    scale words int32 [..., R, KT, fmt.words_per_tile] -> float32 [..., 16R, k] = e2m1 x block
-    scale (exact). What the kernels multiply, before the fp32 scale_2 x 2^ACC_SHIFT on the
-    accumulator."""
-    codes = formats.unpack_e2m1(unpack_e2m1_tiles(tiles, k))
-    scale = decode_scale_words(scale_words, k, fmt)
-    return formats.e2m1_to_float(codes) * scale.repeat_interleave(fmt.block, dim=-1)
