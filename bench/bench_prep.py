@@ -72,9 +72,10 @@ def _inputs(path: str, E: int, I: int, H: int, device):
         t = (u8(E, 2 * I, H // 2), u8(E, 2 * I, H // 32, lo=118, hi=126), u8(E, H, I // 2), u8(E, H, I // 32, lo=118, hi=126))
         return t, sum(x.numel() for x in t)
     if path == "fp4_mxfp8":  # exact MXFP4 blocks in NVFP4 form: both 16-halves 2^j, scale_2 2^m
-        e13 = u8(E, 2 * I, H // 32, lo=0, hi=9)  # j in [-9, -1] -> E4M3 2^(j) ... bits below
+        e13 = u8(E, 2 * I, H // 32, lo=0, hi=9)  # one j in 0..8 per 32-block
         e2 = u8(E, H, I // 32, lo=0, hi=9)
-        def pow2_e4m3(j):  # E4M3 bits of 2^(j - 6) for j in 0..8: 2^-6 .. 2^2, normal numbers
+
+        def pow2_e4m3(j):  # E4M3 bits of 2^(j - 6) (normal numbers 2^-6 .. 2^2), both 16-halves alike
             return ((j + 1) << 3).repeat_interleave(2, dim=-1)
         t = (u8(E, 2 * I, H // 2), pow2_e4m3(e13).view(torch.float8_e4m3fn), torch.ones(E, 2, device=device),
              u8(E, H, I // 2), pow2_e4m3(e2).view(torch.float8_e4m3fn), torch.ones(E, device=device))

@@ -398,3 +398,18 @@ def test_numpy_host_path_equals_the_reference(shape):
     assert torch.equal(torch.from_numpy(words).reshape(expected.shape), expected)
     u = layout_host.untile_scale_bytes(words, scale.shape[-1], 2, 4, use_numba=False)
     assert (u == layout._e5m3_lut("cpu").numpy()[su]).all()
+
+
+@pytest.mark.parametrize("per_matrix", [False, True])
+def test_e8m0_fields_outside_bf16_are_counted_like_the_reference(per_matrix):
+    """Fields e8m0 - m + 119 outside [0, 254] are refused with their count, as the reference
+    counts them (one scalar m for a matrix, or one m per matrix of a stack)."""
+    g = torch.Generator().manual_seed(8)
+    shape = (3, 16, 4) if per_matrix else (16, 4)
+    e8m0 = torch.randint(100, 200, shape, dtype=torch.uint8, generator=g)
+    m = torch.tensor([-60, 0, 40]) if per_matrix else -60
+    with pytest.raises(ValueError) as expected:
+        ref.pack_e8m0_scale_tiles(e8m0, m)
+    count = str(expected.value).split(": ")[1].split()[0]
+    with pytest.raises(ValueError, match=rf"e8m0: {count} block exponents fall outside bf16"):
+        layout.pack_e8m0_scale_tiles(e8m0, m)

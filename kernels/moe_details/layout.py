@@ -422,7 +422,7 @@ def pack_e8m0_scale_tiles(e8m0: torch.Tensor, scale_2_exp: torch.Tensor, name: s
     offset = ((E2M1_BF16_EXP_OFFSET - ACC_SHIFT - formats.E8M0_BIAS + 127) - m).reshape(-1)
     offset = offset.expand(per_matrix.shape[0]) if offset.numel() == 1 else offset
     if bool(((lo + offset) < 0).any()) or bool(((hi + offset) > 254).any()):
-        field = e8m0.to(torch.int16) + offset.to(torch.int16).reshape(*lead, 1, 1) if lead else e8m0.to(torch.int16) + int(offset[0])
+        field = e8m0.to(torch.int16) + offset.to(torch.int16).reshape(*lead, 1, 1)  # lead () : one offset
         bad = int(((field < 0) | (field > 254)).sum())
         raise ValueError(f"{name}: {bad} block exponents fall outside bf16 for the given scale_2 exponent")
     # One 256-byte table per matrix (byte -> byte + offset) turns the bytes into fields in the

@@ -124,11 +124,6 @@ def _untranspose4x4(y0, y1, y2, y3, a, b, c, d, tmp) -> None:
         y[...] = f
 
 
-def _pool_map(fn, jobs: list) -> None:
-    for j in jobs:  # one thread: see the module docstring
-        fn(*j)
-
-
 def _chunks(units: int, unit_bytes: int) -> list[tuple[int, int]]:
     step = max(1, _CHUNK_BYTES // max(unit_bytes, 1))
     return [(lo, min(lo + step, units)) for lo in range(0, units, step)]
@@ -159,7 +154,8 @@ def _pack_nibbles_np(src: np.ndarray, k_tiles: int, tables: tuple, out: np.ndarr
             word |= np.take(hi_t, cd.view(np.uint16))
             np.copyto(o[:, :, :, :, t_lo, :], word.reshape(n, 8, k_tiles, 4, 2).transpose(0, 2, 1, 4, 3))
 
-    _pool_map(run, _chunks(U, TILE_ROWS * half_k))
+    for lo, hi in _chunks(U, TILE_ROWS * half_k):  # one thread: see the module docstring
+        run(lo, hi)
     return out
 
 
@@ -183,7 +179,8 @@ def _unpack_nibbles_np(tiles: np.ndarray, half_k: int, tables: tuple, out: np.nd
             np.copyto(w[:, h, :, :, :, j], x.transpose(0, 2, 1, 3))
         out[u0:u1] = w.view(np.uint8).reshape(n, TILE_ROWS, kp)[:, :, :half_k]
 
-    _pool_map(run, _chunks(U, k_tiles * TILE_BYTES))
+    for lo, hi in _chunks(U, k_tiles * TILE_BYTES):  # one thread: see the module docstring
+        run(lo, hi)
     return out
 
 
@@ -207,7 +204,8 @@ def _tile_scale_bytes_np(codes: np.ndarray, k_tiles: int, words_per_lane: int, s
         direct |= (rot >> _SH8) | (rot << np.uint32(24))
         np.copyto(out[u0:u1].view(np.uint32).reshape(n, k_tiles, 8, words_per_lane), direct.transpose(0, 2, 1, 3))
 
-    _pool_map(run, _chunks(U, TILE_ROWS * G * 8))
+    for lo, hi in _chunks(U, TILE_ROWS * G * 8):  # one thread: see the module docstring
+        run(lo, hi)
     return out
 
 
@@ -227,7 +225,8 @@ def _untile_scale_bytes_np(words: np.ndarray, groups: int, words_per_lane: int, 
                 np.copyto(c[:, hh, :, :, :, par], ((x >> s) & np.uint32(0xFF)).transpose(0, 2, 1, 3), casting="unsafe")
         out[u0:u1] = c.reshape(n, TILE_ROWS, -1)[:, :, :groups]
 
-    _pool_map(run, _chunks(U, k_tiles * 8 * words_per_lane * 4 * 8))
+    for lo, hi in _chunks(U, k_tiles * 8 * words_per_lane * 4 * 8):  # one thread: see the module docstring
+        run(lo, hi)
     return out
 
 
@@ -236,12 +235,8 @@ def apply_lut(lut: np.ndarray, codes: np.ndarray) -> np.ndarray:
     would otherwise make an intp copy of the whole index)."""
     flat = codes.reshape(-1)
     out = np.empty_like(flat)
-    step = _CHUNK_BYTES
-
-    def run(lo: int, hi: int) -> None:
+    for lo, hi in _chunks(flat.size, 1):
         np.take(lut, flat[lo:hi], out=out[lo:hi])
-
-    _pool_map(run, [(lo, min(lo + step, flat.size)) for lo in range(0, flat.size, step)])
     return out.reshape(codes.shape)
 
 
