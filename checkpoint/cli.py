@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ..common.cli import HelpFormatter
-from .convert import STATE_DIR, CastOptions, format_summary, run_cast
-from .layout import REPORT_FILE
-from .safetensors_io import CheckpointError
+from .layout import REPORT_FILE, STATE_DIR
+
+# Import-light: torch (through .convert) loads inside main(), where a Ctrl-C is handled.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory this tool wrote (default: off: resume or refuse)")
     ap.add_argument("--trim-a-log", "--trim_a_log", dest="trim_a_log", action="store_true",
                     help="write KDA A_log at num_heads instead of zero-padded head_dim (padding must be zero; default: off)")
-    ap.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false", help="no progress bars (default: bars on stderr)")
+    ap.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false", help="no progress bars: a status line (done, rate, ETA) every $K3NVFP4_PROGRESS_INTERVAL seconds "
+                    "(default 30) instead, as when stderr is not a terminal (default: bars on a terminal)")
     return ap
 
 
@@ -44,28 +45,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workers < 1:
         print(f"k3nvfp4-cast: error: --workers {args.workers}: must be >= 1", file=sys.stderr)
         return 2
-    opts = CastOptions(
-        source=args.source_ckpt, output=args.output_ckpt, verify=args.verify, workers=args.workers,
-        strict=args.strict, w4a4=args.w4a4, overwrite=args.overwrite, trim_a_log=args.trim_a_log,
-        progress=args.progress,
-    )
+    report: dict | None = None
     try:
-        report = run_cast(opts)
-    except CheckpointError as exc:
-        print(f"k3nvfp4-cast: error: {exc}", file=sys.stderr)
-        hint = _what_remains(args.output_ckpt, str(exc))
-        if hint:
-            print(f"k3nvfp4-cast: {hint}", file=sys.stderr)
-        return 1
+        from .convert import CastOptions, run_cast
+        from .safetensors_io import CheckpointError
+
+        opts = CastOptions(
+            source=args.source_ckpt, output=args.output_ckpt, verify=args.verify, workers=args.workers,
+            strict=args.strict, w4a4=args.w4a4, overwrite=args.overwrite, trim_a_log=args.trim_a_log,
+            progress=args.progress,
+        )
+        try:
+            report = run_cast(opts)
+        except CheckpointError as exc:
+            print(f"k3nvfp4-cast: error: {exc}", file=sys.stderr)
+            hint = _what_remains(args.output_ckpt, str(exc))
+            if hint:
+                print(f"k3nvfp4-cast: {hint}", file=sys.stderr)
+            return 1
+        _print_result(args, report)
+        return 0
     except KeyboardInterrupt:
+        if report is not None:  # run_cast returned: every file is in place, only the summary was cut short
+            print(f"k3nvfp4-cast: interrupted after the cast had finished; {args.output_ckpt} is complete "
+                  f"(summary: {args.output_ckpt / REPORT_FILE})", file=sys.stderr)
+            return 0
         print("k3nvfp4-cast: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+
+
+def _print_result(args: argparse.Namespace, report: dict) -> None:
+    from .convert import format_summary
+
     if report.get("already_done"):
         print(f"{args.output_ckpt}: already a finished cast of this source with these options; nothing to do"
               + (" (verified again)" if args.verify else " (--verify checks it again; --overwrite redoes it)"))
     print(format_summary(report))
     print(f"report: {args.output_ckpt / REPORT_FILE}")
-    return 0
 
 
 def _what_remains(out: Path, message: str) -> str | None:

@@ -32,16 +32,16 @@ from typing import Callable
 import torch
 
 from ..common.files import PARTIAL_SUFFIX, copy_file_atomic
+from ..common.progress import progress_bar
 from ..kernels.cast import CastStats, MXFP4Weight, cast_mxfp4_to_nvfp4
 from . import _progress
-from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE
+from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE, STATE_DIR
 from .plan import CastPlan, ExpertMatrix, ShardPlan, ShardTask, SourceRef, fingerprint_differences, plan_cast
 from .quant_config import hf_quant_config, output_config
 from .safetensors_io import CheckpointError, MappedShards, StreamingWriter, read_tensor, write_atomic_text
 from .verify import verify_full, verify_nonlocal, verify_shard
 
 TOOL_VERSION = "0.1.0"
-STATE_DIR = ".k3nvfp4-cast"
 _METADATA = {"format": "pt"}
 
 
@@ -318,13 +318,11 @@ class _Executor:
     def run(self, fn, tasks: list[ShardTask], total: int, desc: str, on_result: Callable[[dict], None]) -> None:
         """Run ``fn`` over tasks with a bytes/s + ETA bar; ``on_result`` sees each result (in
         the main thread) as soon as its task is done. The first error stops the run."""
-        from tqdm import tqdm
-
         todo = collections.deque(tasks)
         use_pool = self.workers > 1 and (len(tasks) > 1 or self._pool is not None)
         pool = self._get_pool() if use_pool else None  # spawns before the bar's monitor thread
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not self.show,
-                   dynamic_ncols=True)
+        # A bar on a terminal; in a log (or with --no-progress) a status line every interval.
+        bar = progress_bar(total, desc, bars=self.show, unit="B", unit_scale=True)
         lock = threading.Lock()
         done: queue_mod.SimpleQueue = queue_mod.SimpleQueue()  # pool results / errors
         in_flight = [0]
@@ -573,9 +571,10 @@ def run_cast(options: CastOptions) -> dict:
         "version": TOOL_VERSION,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
-        "source": str(options.source),
-        "output": str(options.output),
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in options.__dict__.items()},
+        # Absolute: the report outlives the directory it was typed in.
+        "source": str(options.source.resolve()),
+        "output": str(options.output.resolve()),
+        "options": {k: (str(v.resolve()) if isinstance(v, Path) else v) for k, v in options.__dict__.items()},
         "fingerprint": plan.fingerprint,
         "fingerprint_parts": plan.fingerprint_parts,
         "stats": stats.to_dict(),
@@ -585,6 +584,8 @@ def run_cast(options: CastOptions) -> dict:
         "bytes": {"source": plan.total_source_bytes, "cast_now": cast_bytes, "output_tensors": output_bytes},
         "seconds": {"cast": cast_seconds, "verify": verify_seconds, "total": total_seconds},
         "throughput_gb_per_s": {
+            # Of this run only: a resumed run's rate covers the shards it cast, not those an earlier run did.
+            "shards_covered": len(todo),
             "cast": cast_bytes / cast_seconds / 1e9 if cast_seconds > 0 and cast_bytes else None,
             "cast_plus_verify": cast_bytes / (cast_seconds + verify_seconds) / 1e9
             if options.verify and cast_bytes and cast_seconds + verify_seconds > 0
@@ -654,6 +655,15 @@ def _window_line(s: dict) -> str:
             f"with exponent 0, are exact in any scale), {lossy:,} lossy")
 
 
+def _resumed_scope(report: dict) -> str:
+    """', this run's 3 of 8 shards (5 cast by an earlier run)' where the run resumed, else ''."""
+    shards = report["shards"]
+    if not shards["resumed"] or not shards["cast_now"]:
+        return ""
+    return (f", this run's {shards['cast_now']} of {shards['total']} shards "
+            f"({shards['resumed']} cast by an earlier run)")
+
+
 def format_summary(report: dict) -> str:
     """The human summary table (like the seed model card's)."""
     s = report["stats"]
@@ -675,7 +685,8 @@ def format_summary(report: dict) -> str:
             if report.get("verify") else "")
          + f", total {report['seconds']['total']:.2f} s"),
         ("Throughput", "n/a (all shards resumed)" if tp["cast"] is None else f"{tp['cast']:.3f} GB/s of source read"
-         + (f" ({tp['cast_plus_verify']:.3f} GB/s with verify)" if tp["cast_plus_verify"] else "")),
+         + (f" ({tp['cast_plus_verify']:.3f} GB/s with verify)" if tp["cast_plus_verify"] else "")
+         + _resumed_scope(report)),
     ]
     v = report.get("verify")
     if v:

@@ -9,6 +9,8 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
 REPORT_FILE = "cast_report.json"
+# The cast's resume state inside its output directory (one record per finished shard).
+STATE_DIR = ".k3nvfp4-cast"
 
 COMPRESSED_TENSORS_MXFP4_FORMAT = "mxfp4-pack-quantized"
 NVFP4_FORMAT = "nvfp4-pack-quantized"

@@ -526,9 +526,9 @@ def write_synthetic_checkpoint(
     weight_map: dict[str, str] = {}
     bar = None
     if progress:
-        from tqdm import tqdm
+        from ..common.progress import progress_bar
 
-        bar = tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, desc="synthetic")
+        bar = progress_bar(sum(s.nbytes for s in specs), "synthetic", unit="B", unit_scale=True)
     for i, shard in enumerate(shards):
         fname = shard_file_name(i, len(shards))
         tensors = {}

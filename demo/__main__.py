@@ -1,5 +1,5 @@
-"""``python -P -m k3nvfp4.demo``: see :mod:`k3nvfp4.demo.run`."""
+"""``python -P -m k3nvfp4.demo``: see :mod:`k3nvfp4.demo.run` (imported inside the Ctrl-C guard)."""
 
-from .run import main
+from ..common.entry import run_module
 
-raise SystemExit(main())
+raise SystemExit(run_module("k3nvfp4.demo.run", "python -m k3nvfp4.demo"))

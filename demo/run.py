@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="tokens routed through the layer A/B")
     args = ap.parse_args(argv)
     if argv is None:  # without CUDA the layer A/B runs the kernels in the interpreter
-        rerun_with_interpreter("k3nvfp4.demo")
+        rerun_with_interpreter("k3nvfp4.demo.run")
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = build_source(args.workdir)
     nvfp4 = cast(src, args.workdir, args.workers)

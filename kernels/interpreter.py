@@ -33,7 +33,8 @@ def kernels_interpreted() -> bool:
 
 def rerun_with_interpreter(module: str, *, even_with_cuda: bool = False) -> None:
     """For command-line tools that run the kernels on CPU: when they were defined without the
-    interpreter, replace this process by ``python -P -m <module> <same arguments>`` with
+    interpreter, replace this process by ``python -P -m k3nvfp4.common.entry <module> <same
+    arguments>`` (which runs ``<module>.main()``) with
     TRITON_INTERPRET=1. Returns (doing nothing) when the kernels already run in the interpreter,
     or when a CUDA device is present (unless ``even_with_cuda``)."""
     import torch
@@ -43,4 +44,5 @@ def rerun_with_interpreter(module: str, *, even_with_cuda: bool = False) -> None
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-P", "-m", module, *sys.argv[1:]], env)
+    # Through k3nvfp4.common.entry: a Ctrl-C while the new process imports torch is one line, not a traceback.
+    os.execve(sys.executable, [sys.executable, "-P", "-m", "k3nvfp4.common.entry", module, *sys.argv[1:]], env)

@@ -45,6 +45,7 @@ import torch
 
 from ..common.cli import HelpFormatter
 from ..common.files import write_json_atomic
+from ..common.progress import is_terminal, progress_bar
 from .interpreter import kernels_interpreted, rerun_with_interpreter
 from .moe_details.config import (
     CONFIG_DIR_ENV,
@@ -358,7 +359,7 @@ def tune_batch_size(
     launch_check(cfg) -> reason or None: configs it rejects (cannot launch on the device, or
     spill registers; see :func:`offline_launch_check`) are recorded with the reason and never
     run or timed."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     from .moe import fused_moe_nvfp4, fused_moe_nvfp4_reference
 
@@ -374,7 +375,10 @@ def tune_batch_size(
     seen: set[MoEConfig] = set()
     complete = True
     current = base_config(space, shape, M)
-    bar = tqdm(desc=f"M={M}", unit="cfg", leave=False, disable=not progress, file=sys.stderr)
+    # The configs of one batch size: a nested bar on a terminal only (in a log, nested bars leave
+    # cursor-movement codes; the outer status line names the batch size instead).
+    bar = tqdm(desc=f"M={M}", unit="cfg", leave=False, disable=not (progress and is_terminal(sys.stderr)),
+               file=sys.stderr)
     for stage in stages(space):
         for cfg in _expand_stage(stage, current):
             if cfg in seen:
@@ -544,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max normwise error vs the reference (default 2e-2 bf16/fp16, 1e-4 fp32)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights and routing")
     p.add_argument("--no-resume", action="store_true", help="ignore (and overwrite) partial results")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("--no-progress", action="store_true", help="no bars: a status line every $K3NVFP4_PROGRESS_INTERVAL s (default 30) instead, as without a terminal")
     return p
 
 
@@ -615,35 +619,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
             launch_check = offline_launch_check(shape, 10 * major + minor, device_model_of(device))
-        from tqdm.auto import tqdm
-
-        for M in tqdm(todo, desc="batch sizes", unit="M", disable=args.no_progress, file=sys.stderr):
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"note: --time-budget spent; batch sizes left for a resume: {[m for m in todo if str(m) not in results]}", file=sys.stderr)  # fmt: skip
-                break
-            best, tried, complete = tune_batch_size(
-                M, shape, weights, space, timer, device=device, dtype=dtype, activation=args.activation,
-                tol=tol, seed=args.seed, expert_offset=0, max_configs=args.max_configs, deadline=deadline,
-                progress=not args.no_progress, launch_check=launch_check,
-            )  # fmt: skip
-            for c in tried:
-                if c.note:
-                    print(f"note: M={M} {c.config}: {c.note}", file=sys.stderr)
-            entry = {
-                "complete": complete and best is not None,
-                "config": best.config.to_dict() if best else None,
-                "time_us": best.time_s * 1e6 if best else None,
-                "error": best.error if best else None,
-                "tried": [
-                    {"config": c.config.to_dict(), "time_us": None if c.time_s is None else c.time_s * 1e6,
-                     "error": c.error, "note": c.note}
-                    for c in tried
-                ],
-            }  # fmt: skip
-            if best is None:
-                print(f"warning: M={M}: no config passed the check; nothing recorded", file=sys.stderr)
-            results[str(M)] = entry
-            write_json_atomic(partial_path, {"version": _PARTIAL_VERSION, "key": key, "results": results})
+        # A bar on a terminal; in a log (or with --no-progress) a status line every interval.
+        outer = progress_bar(len(todo), "batch sizes", bars=not args.no_progress, unit="M")
+        try:
+            for M in todo:
+                if deadline is not None and time.monotonic() > deadline:
+                    print(f"note: --time-budget spent; batch sizes left for a resume: {[m for m in todo if str(m) not in results]}", file=sys.stderr)  # fmt: skip
+                    break
+                outer.set_postfix_str(f"M={M}")
+                best, tried, complete = tune_batch_size(
+                    M, shape, weights, space, timer, device=device, dtype=dtype, activation=args.activation,
+                    tol=tol, seed=args.seed, expert_offset=0, max_configs=args.max_configs, deadline=deadline,
+                    progress=not args.no_progress, launch_check=launch_check,
+                )  # fmt: skip
+                for c in tried:
+                    if c.note:
+                        print(f"note: M={M} {c.config}: {c.note}", file=sys.stderr)
+                entry = {
+                    "complete": complete and best is not None,
+                    "config": best.config.to_dict() if best else None,
+                    "time_us": best.time_s * 1e6 if best else None,
+                    "error": best.error if best else None,
+                    "tried": [
+                        {"config": c.config.to_dict(), "time_us": None if c.time_s is None else c.time_s * 1e6,
+                         "error": c.error, "note": c.note}
+                        for c in tried
+                    ],
+                }  # fmt: skip
+                if best is None:
+                    print(f"warning: M={M}: no config passed the check; nothing recorded", file=sys.stderr)
+                results[str(M)] = entry
+                write_json_atomic(partial_path, {"version": _PARTIAL_VERSION, "key": key, "results": results})
+                outer.update(1)
+        except KeyboardInterrupt:
+            outer.close()
+            kept = [m for m in todo if str(m) in results]
+            print(f"k3nvfp4-tune: interrupted; {len(results)} batch size(s) done so far are kept in {partial_path}"
+                  f"{f' ({len(kept)} of them in this run)' if kept else ''}; the same command resumes",
+                  file=sys.stderr)  # fmt: skip
+            return 130
+        finally:
+            outer.close()
 
     tuned = {m: r for m, r in results.items() if r.get("config")}
     if not tuned:

@@ -210,7 +210,8 @@ def test_w4a4_trim_strict_and_workers(source, tmp_path, capsys):
 def test_resume_after_interruption_is_byte_identical(source, cast_run, tmp_path, monkeypatch, capsys):
     ref, _ = cast_run
     out = tmp_path / "resumed"
-    args = ["--source_ckpt", str(source), "--output_ckpt", str(out), "--workers", "1", "--no-progress", "--verify"]
+    monkeypatch.chdir(tmp_path)  # the output typed relative: the report stores it absolute
+    args = ["--source_ckpt", str(source), "--output_ckpt", "resumed", "--workers", "1", "--no-progress", "--verify"]
     real = convert_mod.cast_shard
     calls = []
 
@@ -225,9 +226,14 @@ def test_resume_after_interruption_is_byte_identical(source, cast_run, tmp_path,
     assert not (out / "cast_report.json").exists() and not list(out.glob(".*.partial"))
     assert len(list(out.glob("*.safetensors"))) == 1
     monkeypatch.setattr(convert_mod, "cast_shard", real)
+    capsys.readouterr()
     assert main(args) == 0
     report = json.loads((out / "cast_report.json").read_text())
     assert report["shards"] == {"total": 3, "cast_now": 2, "resumed": 1}
+    assert report["output"] == report["options"]["output"] == str(out.resolve())
+    assert report["source"] == str(source.resolve()) and report["throughput_gb_per_s"]["shards_covered"] == 2
+    throughput = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Throughput"))
+    assert throughput.endswith("GB/s with verify), this run's 2 of 3 shards (1 cast by an earlier run)"), throughput
     skip = {"cast_report.json"}
     assert {k: v for k, v in _tree_hash(out).items() if k not in skip} == {
         k: v for k, v in _tree_hash(ref).items() if k not in skip

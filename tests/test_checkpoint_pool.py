@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -66,6 +67,10 @@ def src(pristine, tmp_path) -> Path:
     return d
 
 
+# The status lines of the cast and verify passes (common/progress.py), written without a terminal.
+PROGRESS_LINE = re.compile(r"^(cast|verify): .*\n", re.M)
+
+
 class HarnessRun:
     """One ``k3nvfp4-cast --workers 2`` subprocess (own process group) steered by ``plan``."""
 
@@ -98,12 +103,13 @@ class HarnessRun:
         return held
 
     def finish(self) -> tuple[int, str]:
+        """(exit status, stderr without the progress lines: the messages the tests check)."""
         try:
             rc = self.proc.wait(timeout=HANG_GUARD_S)
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail(f"the cast hung:\n{self.stderr()}")
-        return rc, self.stderr()
+        return rc, PROGRESS_LINE.sub("", self.stderr())
 
     def stderr(self) -> str:
         self._err.flush()

@@ -230,7 +230,7 @@ def test_offline_launch_check_measures_real_compiles():
     assert spill.startswith("gemm1 spills ") and spill.endswith("bytes of local memory per thread (sm_90)"), spill
 
 
-def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch):
+def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch, capsys):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     E, H, I, k = 4, 48, 32, 2
     out_dir = tmp_path / "configs"
@@ -253,9 +253,11 @@ def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch):
         return real_tune_batch_size(M, *a, **kw)
 
     monkeypatch.setattr(tune, "tune_batch_size", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        tune.main(argv)
+    assert tune.main(argv) == 130
     assert calls == [1, 3]
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"k3nvfp4-tune: interrupted; 1 batch size(s) done so far are kept in {partial} (1 of them in this run); "
+        "the same command resumes")
     assert not final.exists() and partial.is_file()
     saved = json.loads(partial.read_text())["results"]
     assert set(saved) == {"1"} and saved["1"]["complete"]
@@ -263,8 +265,15 @@ def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch):
     # Run 2 (same command) resumes: only M=3 is tuned.
     calls.clear()
     monkeypatch.setattr(tune, "tune_batch_size", lambda M, *a, **kw: (calls.append(M), real_tune_batch_size(M, *a, **kw))[1])
+    capsys.readouterr()
     assert tune.main(argv) == 0
     assert calls == [3]
+    # Stderr is not a terminal: plain status lines, no bar (no carriage return, no nested bar's
+    # cursor-movement codes); the final one says the one batch size left is done.
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, repr(err[-300:])
+    assert [ln for ln in err.splitlines() if ln.startswith("batch sizes: ")][-1].startswith(
+        "batch sizes: 1 M of 1 M (100%)") and err.rstrip().endswith("| M=3 (done)"), err
     assert final.is_file() and not partial.exists()
     assert sorted(p.name for p in out_dir.iterdir()) == [final.name]
 
