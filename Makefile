@@ -31,10 +31,12 @@ demo: install-core
 	$(PY) -m k3nvfp4.demo --workdir $(DEMO_DIR)
 
 # Two workers, one test file each at a time (module fixtures such as the K3 servers are started
-# once); the slowest files are scheduled first (tests/conftest.py). TEST_WORKERS=0 runs serially.
+# once); the slowest files are scheduled first (tests/conftest.py), which needs
+# --no-loadscope-reorder: by default xdist hands out the files with the most tests first.
+# TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 test: install-all
-	$(VENV)/bin/pytest -q tests $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=25
+	$(VENV)/bin/pytest -q tests $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=25
 
 clean:
 	rm -rf build .pytest_cache .hypothesis
