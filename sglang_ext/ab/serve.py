@@ -272,9 +272,12 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
             row.update(first_divergence=ag.first_divergence, tokens_a=ag.n_tokens_a, tokens_b=ag.n_tokens_b,
                        max_abs_dlogprob=ag.dlogprob_max if ag.dlogprob_n else None)
         per_prompt.append(row)
+    # "prompts" after the token summary, whose own "prompts" counts those with logprobs on both arms.
+    tok = summarize_agreements(agreements)
+    tok["prompts_compared_by_tokens"] = tok.pop("prompts")
     greedy = {"baseline_arm": a, "other_arm": b, "prompts": len(prompts),
               "final_answer_match_rate": matches / len(prompts),
-              "prompts_without_logprobs": missing_logprobs, **summarize_agreements(agreements)}
+              "prompts_without_logprobs": missing_logprobs, **tok}
 
     # Accuracy pass: per arm, per seed, graded prompts only.
     graded = [p for p in prompts if p.answer is not None]
@@ -338,7 +341,7 @@ def summary_markdown(rep: ServeABReport) -> str:
              "## Greedy pass (seed 0)", "",
              markdown_table(["metric", "value"], [
                  ["final-answer match rate", fmt(g["final_answer_match_rate"], ".3f")],
-                 ["identical token streams", f"{g['identical_token_streams']}/{g['prompts']}"],
+                 ["identical token streams", f"{g['identical_token_streams']}/{g['prompts_compared_by_tokens']}"],
                  ["median first-divergence position", g["median_first_divergence"]],
                  ["top-1 token agreement (aligned positions)", fmt(g["top1_agreement"], ".4f")],
                  ["mean abs delta logprob", fmt(g["mean_abs_dlogprob"], ".3g")],
@@ -418,7 +421,7 @@ def _write_serve_outputs(rep: ServeABReport, cfg: ServeConfig, comps: dict, resu
     if cfg.plots:  # optional, after the report: a plot never loses it (plots.draw_all)
         g = rep.greedy
         todo = {"divergence_plot": ("divergence_hist.png", lambda path: plots.divergence_histogram(
-            path, g["first_divergence_positions"], g["identical_token_streams"], g["prompts"],
+            path, g["first_divergence_positions"], g["identical_token_streams"], g["prompts_compared_by_tokens"],
             f"greedy first divergence: {g['other_arm']} vs {g['baseline_arm']}"))}
         if all("all_graded" in rep.accuracy[x] for x in arms):
             acc = [rep.accuracy[x]["all_graded"] for x in arms]
