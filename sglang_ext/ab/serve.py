@@ -24,7 +24,7 @@ from pathlib import Path
 from ...common.files import write_text_atomic
 from . import plots
 from .client import ChatClient, Completion
-from .datasets import PromptSet, load_prompt_set
+from .datasets import load_prompt_set
 from .errors import ABError
 from .prompts import Prompt, final_answer_key, response_answer
 from .report import fmt, markdown_table, write_json
