@@ -129,6 +129,11 @@ def test_reader_errors(tmp_path, capsys):
     nemo.write_text(json.dumps({"problem": "p", "expected_answer": "E", "A": "1", "B": "2", "C": "3", "D": "4"}) + "\n")
     with pytest.raises(InputError, match=r"n.jsonl line 1: 'expected_answer' 'E' is not one of ABCD"):
         load_prompt_set(nemo)
+    # An older NeMo-Skills layout ("question" and an "options" list) is named, not read as ungraded prompts.
+    old = tmp_path / "old.jsonl"
+    old.write_text(json.dumps({"question": "q", "options": ["1", "2", "3", "4"], "expected_answer": "A"}) + "\n")
+    with pytest.raises(InputError, match=r"old.jsonl line 1: not a NeMo-Skills prepared GPQA row .*prepare it again"):
+        load_prompt_set(old)
     # On the command line: one line naming the file, exit 2, no report.
     rc = cli.main(["serve", "--arm", "a=http://127.0.0.1:9", "--arm", "b=http://127.0.0.1:9", "--prompts", str(bad),
                    "--out", str(tmp_path / "o")])

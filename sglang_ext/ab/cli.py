@@ -76,8 +76,8 @@ def _add_serve(sub) -> None:
                    help="prompt file: the project's JSONL, GPQA's CSV (e.g. gpqa_diamond.csv) or NeMo-Skills' prepared "
                         "GPQA JSONL (default: built-in arithmetic + multiple-choice set)")
     p.add_argument("--prompts-format", choices=FORMATS, default=d.prompts_format,
-                   help="how to read --prompts; auto: .csv is gpqa-csv, a JSONL with 'problem' and 'expected_answer' "
-                        "is nemo-skills-jsonl, other JSONL is ab-jsonl")
+                   help="how to read --prompts; auto: .csv is gpqa-csv, a JSONL with 'expected_answer' is "
+                        "nemo-skills-jsonl, other JSONL is ab-jsonl")
     p.add_argument("--choice-seed", type=int, default=d.choice_seed,
                    help="gpqa-csv: seed of each question's choice order (the same for every arm and seed)")
     p.add_argument("--prompt-template", default=None, metavar="FILE",

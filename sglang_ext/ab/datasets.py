@@ -1,8 +1,7 @@
 """Prompt files as users hold them: the project's JSONL, GPQA's own CSV, NeMo-Skills' GPQA JSONL.
 
 Formats (``--prompts-format``; ``auto`` picks one per file: ``.csv`` is gpqa-csv; a JSONL whose
-first object has "problem" and "expected_answer" is nemo-skills-jsonl; any other JSONL is
-ab-jsonl):
+first object has "expected_answer" is nemo-skills-jsonl; any other JSONL is ab-jsonl):
 
 - ``ab-jsonl``: the project's format (prompts.py).
 - ``gpqa-csv``: GPQA's CSV as published (gpqa_diamond.csv: 198 rows). Read: "Question",
@@ -72,8 +71,9 @@ def detect_format(path: Path) -> str:
                     obj = json.loads(line)
                 except ValueError:
                     return "ab-jsonl"  # its reader names the line
-                return "nemo-skills-jsonl" if isinstance(obj, dict) and {"problem", "expected_answer"} <= obj.keys() \
-                    else "ab-jsonl"
+                # "expected_answer" is NeMo-Skills' name (the project's JSONL says "answer"); its
+                # reader then names what is missing rather than reading the rows as ungraded prompts.
+                return "nemo-skills-jsonl" if isinstance(obj, dict) and "expected_answer" in obj else "ab-jsonl"
     return "ab-jsonl"
 
 
@@ -116,7 +116,8 @@ def read_nemo_skills_jsonl(path: Path, template: MCQTemplate) -> list[Prompt]:
             except ValueError as e:
                 raise InputError(f"{where}: not valid JSON ({e})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("problem"), str) or "expected_answer" not in obj:
-                raise InputError(f"{where}: not a NeMo-Skills prepared GPQA row (needs 'problem' and 'expected_answer')")
+                raise InputError(f"{where}: not a NeMo-Skills prepared GPQA row (needs 'problem' and 'expected_answer'; "
+                                 "an older prepare.py wrote 'question' and an 'options' list: prepare it again)")
             k = 0
             while k < len(LETTERS) and isinstance(obj.get(LETTERS[k]), str):
                 k += 1
