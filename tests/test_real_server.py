@@ -4,17 +4,21 @@ Two ``sglang.launch_server`` processes (tests/real_server.py: the production com
 arguments for one node, plus CPU flags, with the sgl_kernel stand-in of tests/fixtures/sglang_cpu)
 serve arm A and arm B: the same random Llama, B with its lm_head perturbed, so their greedy
 streams share some tokens and not others. The report is checked against values computed here
-from the servers' own answers, then three faults against a real server: a request it rejects,
-a timeout, and a server killed mid-run. What only a GPU can show (K3 accuracy, the kernels'
-speed) is not here: docs/ab.md.
+from the servers' own answers; GPQA's CSV and NeMo-Skills' JSONL (made-up fixtures) run through
+both arms with every statistic of the report recomputed from completions.jsonl; then three
+faults against a real server: a request it rejects, a timeout, and a server killed mid-run.
+What only a GPU can show (K3 accuracy, the kernels' speed) is not here: docs/ab.md.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +115,122 @@ def test_serve_report_matches_the_servers_answers(servers, prompt_file, tmp_path
     for name in ("divergence_hist.png", "accuracy.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "partial.json").exists()
+
+
+GPQA_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpqa"
+GPQA_MAX_TOKENS, GPQA_SEEDS = 8, 2
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """Percentile by linear interpolation between order statistics at (n - 1) q, written out."""
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    return xs[lo] + (pos - lo) * (xs[min(lo + 1, len(xs) - 1)] - xs[lo])
+
+
+def _sample_std(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _check_gpqa_report(out, gold: dict[str, str]) -> dict:
+    """Every statistic of report.json recomputed here from completions.jsonl and the gold letters."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    rep = json.loads((out / "report.json").read_text())
+    rows = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    qs, seeds = list(gold), range(GPQA_SEEDS)
+    by = {(r["arm"], r["seed"], r["prompt_id"]): r for r in rows}
+    assert len(rows) == 2 * len(qs) * GPQA_SEEDS and set(by) == {(a, s, q) for a in "ab" for s in seeds for q in qs}
+    for r in rows:
+        assert r["finish_reason"] in ("stop", "length") and 0 < r["completion_tokens"] <= GPQA_MAX_TOKENS
+        # The tiny word-level vocabulary (w000..w239) cannot spell "Answer: X": no answer, no grade.
+        assert r["answer"] is None and not re.search(r"Answer\s*:\s*[A-D]", r["content"] or "")
+    grades = {a: [[float(by[(a, s, q)]["answer"] == gold[q]) for s in seeds] for q in qs] for a in "ab"}
+    for a in "ab":
+        st = rep["accuracy"][a]["all_graded"]
+        per_seed = [sum(grades[a][i][s] for i in range(len(qs))) / len(qs) for s in seeds]
+        assert st["prompts"] == len(qs) and st["per_seed"] == per_seed
+        assert math.isclose(st["pass@1"], sum(per_seed) / GPQA_SEEDS)
+        assert math.isclose(st["sem"], _sample_std(per_seed) / math.sqrt(GPQA_SEEDS), abs_tol=1e-15)
+        mine = [by[(a, s, q)] for q in qs for s in seeds]
+        assert math.isclose(st["truncated_rate"], sum(r["finish_reason"] == "length" for r in mine) / len(mine))
+        assert math.isclose(st["empty_answer_rate"], sum(r["answer"] is None for r in mine) / len(mine))
+        majority = 0.0
+        for q in qs:
+            counts: dict[str, int] = {}
+            for s in seeds:
+                if by[(a, s, q)]["answer"] is not None:
+                    counts[by[(a, s, q)]["answer"]] = counts.get(by[(a, s, q)]["answer"], 0) + 1
+            top = [x for x, c in counts.items() if c == max(counts.values())]
+            majority += sum(x == gold[q] for x in top) / len(top) if top else 0.0
+        assert math.isclose(st["majority"], majority / len(qs))
+        # Speed, from the same requests' latencies, usage counts and start / end times.
+        sp = rep["speed"][a]
+        lat = [r["latency_s"] for r in mine]
+        for k in (50, 90, 99):
+            assert math.isclose(sp["latency_s"][f"p{k}"], _pct(lat, k), rel_tol=1e-12)
+        rates = [r["completion_tokens"] / r["latency_s"] for r in mine]
+        for k in (10, 50, 90):
+            assert math.isclose(sp["tokens_per_s_per_request"][f"p{k}"], _pct(rates, k), rel_tol=1e-12)
+        total = sum(r["completion_tokens"] for r in mine)
+        span = max(r["end_s"] for r in mine) - min(r["start_s"] for r in mine)
+        assert sp["total_completion_tokens"] == total and math.isclose(sp["aggregate_tokens_per_s"], total / span)
+        assert all(math.isclose(r["end_s"] - r["start_s"], r["latency_s"], rel_tol=1e-9) for r in mine)
+    # The paired comparison of b against a.
+    c = rep["comparison"]
+    d = [sum(grades["b"][i]) / GPQA_SEEDS - sum(grades["a"][i]) / GPQA_SEEDS for i in range(len(qs))]
+    diff = 100 * sum(d) / len(d)
+    se = 100 * _sample_std(d) / math.sqrt(len(d))
+    assert math.isclose(c["diff_pp"], diff, abs_tol=1e-12) and math.isclose(c["se_pp"], se, abs_tol=1e-12)
+    if se == 0 and diff == 0:
+        assert c["sigmas"] is None
+    else:
+        assert math.isclose(c["sigmas"], diff / se)
+    b = c["bootstrap"]
+    ci = bootstrap((np.array(d),), np.mean, n_resamples=b["resamples"], method="percentile", vectorized=True,
+                   rng=np.random.default_rng(b["seed"])).confidence_interval
+    assert all(math.isclose(x, 100 * y, abs_tol=1e-12) for x, y in zip(c["ci95_pp"], (ci.low, ci.high)))
+    assert c["ci95_pp"][0] <= diff <= c["ci95_pp"][1]
+    a_only = sum(grades["a"][i][0] > grades["b"][i][0] for i in range(len(qs)))
+    b_only = sum(grades["b"][i][0] > grades["a"][i][0] for i in range(len(qs)))
+    n = a_only + b_only
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(min(a_only, b_only) + 1)) / 2 ** n) if n else 1.0
+    assert (c["mcnemar"]["a_only"], c["mcnemar"]["b_only"]) == (a_only, b_only)
+    assert math.isclose(c["mcnemar"]["p_value"], p)
+    resolved = c["ci95_pp"][0] > 0 or c["ci95_pp"][1] < 0
+    assert c["verdict"].startswith("no difference resolved") != resolved and c["verdict"] in (out / "summary.md").read_text()
+    return rep
+
+
+@pytest.mark.parametrize("name", ["gpqa_sample.csv", "nemo_skills_gpqa_sample.jsonl"])
+def test_gpqa_formats_through_both_arms(servers, tmp_path, name):
+    """GPQA's CSV and NeMo-Skills' JSONL (made-up fixtures) through both real servers, 2 seeds,
+    8 new tokens: the report's statistics recomputed from completions.jsonl. The random models
+    never write an answer line, so accuracy is 0 on both arms; the statistics with non-zero
+    values on a planted drop are tests/test_ab_datasets.py's (fake servers) and test_ab_stats.py's."""
+    a, b = servers
+    path = GPQA_FIXTURES / name
+    out = tmp_path / "ab"
+    assert _serve(a, b, out, path, "--seeds", str(GPQA_SEEDS), "--max-tokens", str(GPQA_MAX_TOKENS),
+                  "--choice-seed", "3", "--no-plots") == 0
+    if name.endswith(".csv"):
+        with open(path, newline="") as f:
+            recs = list(csv.DictReader(f))
+        gold = {}
+        rep = json.loads((out / "report.json").read_text())
+        for r, row in zip(recs, rep["per_prompt"]):  # the gold letter is where the recorded order put the correct answer
+            assert row["id"] == r["Record ID"] and sorted(row["choice_order"]) == [0, 1, 2, 3]
+            gold[row["id"]] = "ABCD"[row["choice_order"].index(0)]
+            assert row["gold"] == gold[row["id"]]
+        assert rep["dataset"]["format"] == "gpqa-csv" and rep["dataset"]["choice_seed"] == 3
+    else:
+        gold = {f"line-{i:04d}": json.loads(x)["expected_answer"] for i, x in enumerate(path.read_text().splitlines(), 1)}
+    rep = _check_gpqa_report(out, gold)
+    assert rep["dataset"]["prompt_template"]["source"] == "built-in mcq-4choices"
+    assert rep["greedy"]["prompts"] == len(gold) and rep["config"]["prompt_set"] == str(path)
 
 
 def _partial(out) -> dict:

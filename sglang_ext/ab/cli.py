@@ -54,6 +54,7 @@ def _add_layer(sub) -> None:
 
 
 def _add_serve(sub) -> None:
+    from .datasets import FORMATS
     from .serve import ServeConfig
 
     d = ServeConfig(arms=[], out_dir=Path("."))
@@ -71,7 +72,18 @@ def _add_serve(sub) -> None:
     p.add_argument("--nnodes", type=int, default=2, help="nodes the ranks span, in --print-launch (default 2)")
     p.add_argument("--extra-args", default="", help="flags appended to both launch commands")
     p.add_argument("--model", default=None, help="model name sent in requests (default: each server's first /v1/models id)")
-    p.add_argument("--prompts", default=None, help="prompt JSONL (default: built-in arithmetic + multiple-choice set)")
+    p.add_argument("--prompts", default=None,
+                   help="prompt file: the project's JSONL, GPQA's CSV (e.g. gpqa_diamond.csv) or NeMo-Skills' prepared "
+                        "GPQA JSONL (default: built-in arithmetic + multiple-choice set)")
+    p.add_argument("--prompts-format", choices=FORMATS, default=d.prompts_format,
+                   help="how to read --prompts; auto: .csv is gpqa-csv, a JSONL with 'expected_answer' is "
+                        "nemo-skills-jsonl, other JSONL is ab-jsonl")
+    p.add_argument("--choice-seed", type=int, default=d.choice_seed,
+                   help="gpqa-csv: seed of each question's choice order (the same for every arm and seed)")
+    p.add_argument("--prompt-template", default=None, metavar="FILE",
+                   help="multiple-choice prompt template (str.format text with {problem}, or {question} and "
+                        "{options}); default: NeMo-Skills' mcq-4choices text for the GPQA formats, the built-in ab-mc "
+                        "text for JSONL prompts")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight per arm")
     p.add_argument("--retries", type=int, default=d.retries, help="extra attempts on connection errors, timeouts, 5xx")
@@ -83,6 +95,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--seeds", type=int, default=d.seeds, help="seed 0 greedy, seeds >= 1 temperature 0.6 top_p 0.95")
     p.add_argument("--top-logprobs", type=int, default=d.top_logprobs,
                    help="alternatives per position in the logprob comparison")
+    p.add_argument("--bootstrap-resamples", type=int, default=d.bootstrap_resamples,
+                   help="resamples of the 95%% bootstrap interval of the paired difference")
+    p.add_argument("--bootstrap-seed", type=int, default=d.bootstrap_seed,
+                   help="seed of the bootstrap's resampling (recorded in the report)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true",
                    help="write report.json and summary.md only (without matplotlib the plots are skipped anyway)")
@@ -106,7 +122,12 @@ def _serve(args) -> int:
         return 0
     if args.out is None:
         raise ABError("serve: --out DIR is required")
-    cfg = ServeConfig(arms=args.arm, out_dir=args.out, model=args.model, prompts=args.prompts, limit=args.limit,
+    if args.bootstrap_resamples < 1:
+        raise ABError(f"serve: --bootstrap-resamples must be >= 1, got {args.bootstrap_resamples}")
+    cfg = ServeConfig(arms=args.arm, out_dir=args.out, model=args.model, prompts=args.prompts,
+                      prompts_format=args.prompts_format, choice_seed=args.choice_seed,
+                      prompt_template=args.prompt_template, bootstrap_resamples=args.bootstrap_resamples,
+                      bootstrap_seed=args.bootstrap_seed, limit=args.limit,
                       concurrency=args.concurrency, retries=args.retries, backoff_s=args.backoff,
                       timeout_s=args.timeout, max_tokens=args.max_tokens, reasoning_effort=args.reasoning_effort,
                       seeds=args.seeds, top_logprobs=args.top_logprobs, progress=not args.no_progress,

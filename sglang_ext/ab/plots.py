@@ -99,21 +99,46 @@ def per_expert_error(path: Path, series: dict[str, tuple[Sequence[int], Sequence
     return _save(fig, path)
 
 
-def accuracy_bars(path: Path, arms: Sequence[str], means: Sequence[float], stds: Sequence[float],
-                  trunc: Sequence[float], title: str) -> Path:
-    """pass@1 per arm with +-1 std error bars; truncation rate annotated."""
+def accuracy_bars(path: Path, arms: Sequence[str], means: Sequence[float], sems: Sequence[float | None],
+                  trunc: Sequence[float], title: str,
+                  diff: tuple[float, tuple[float, float] | None, str] | None = None) -> Path:
+    """pass@1 per arm with +-1 SEM error bars (none for one seed), truncation rate annotated;
+    with ``diff = (B - A in pp, its 95% interval or None, verdict)`` a second panel shows the
+    paired difference and its interval against zero."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig, axes = plt.subplots(1, 2 if diff else 1, figsize=(9 if diff else 5, 4),
+                             gridspec_kw={"width_ratios": [3, 2]} if diff else None, squeeze=False)
+    ax = axes[0][0]
     xs = range(len(arms))
-    ax.bar(xs, [100 * m for m in means], yerr=[100 * s for s in stds], capsize=6, color=["#4c72b0", "#dd8452"][: len(arms)])
-    for x, m, s, t in zip(xs, means, stds, trunc):  # label above the error bar
-        ax.text(x, 100 * (m + s) + 2, f"{100*m:.1f}% (sd {100*s:.1f})\ntruncated {100*t:.1f}%",
-                ha="center", va="bottom", fontsize=8)
+    err = [100 * (s or 0.0) for s in sems]
+    ax.bar(xs, [100 * m for m in means], yerr=err, capsize=6, color=["#4c72b0", "#dd8452"][: len(arms)])
+    for x, m, s, e, t in zip(xs, means, sems, err, trunc):  # label above the error bar
+        sem = "no SEM (1 seed)" if s is None else f"SEM {100*s:.2f}"
+        ax.text(x, 100 * m + e + 2, f"{100*m:.1f}% ({sem})\ntruncated {100*t:.1f}%", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), list(arms))
     ax.set_ylabel("pass@1 (%)")
     ax.set_ylim(0, 125)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
+    if diff:
+        d, ci, verdict = diff
+        ax2 = axes[0][1]
+        ax2.axhline(0.0, color="grey", linewidth=0.8)
+        yerr = None if ci is None else [[d - ci[0]], [ci[1] - d]]
+        ax2.errorbar([0], [d], yerr=yerr, fmt="o", capsize=8, color="#c44e52")
+        ax2.set_xticks([0], [f"{arms[1]} - {arms[0]}"])
+        ax2.set_xlim(-1, 1)
+        ax2.set_ylabel("difference (pp), 95% bootstrap CI")
+        lo, hi = (d, d) if ci is None else ci
+        pad = max(1.0, 0.2 * (hi - lo))
+        ax2.set_ylim(min(lo, 0.0) - pad, max(hi, 0.0) + pad)
+        ax2.set_title("\n".join(_wrap(verdict, 45)), fontsize=8)
     return _save(fig, path)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width) or [""]
 
 
 def divergence_histogram(path: Path, positions: Sequence[int], identical: int, total: int, title: str) -> Path:

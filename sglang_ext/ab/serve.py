@@ -2,8 +2,11 @@
 
 Seed 0 is the greedy pass (temperature 0, logprobs + top_logprobs requested): final-answer
 agreement and token-level agreement. Seeds 1..n-1 sample with temperature 0.6, top_p 0.95
-(the seed model card's GPQA protocol). pass@1 per arm = mean over seeds of the per-seed
-accuracy on graded prompts, with its sample standard deviation. Truncated completions
+(the seed model card's GPQA protocol). Per arm: pass@1[avg-of-N] with its SEM over seeds,
+majority@N, truncated and empty-answer rates (stats.py), and the speed of the same requests
+(speed.py); between the arms, the paired difference with its standard error, a bootstrap
+interval over questions, McNemar counts of the greedy pass and a verdict (stats.py). Prompts:
+the project's JSONL, GPQA's CSV or NeMo-Skills' GPQA JSONL (datasets.py). Truncated completions
 (finish_reason "length") are counted separately from wrong answers. A run stopped by an
 environment error (a server down, a timeout after the retries, an HTTP error, a malformed
 answer) writes partial.json instead of report.json: the error, the requests answered and every
@@ -21,10 +24,13 @@ from pathlib import Path
 from ...common.files import write_text_atomic
 from . import plots
 from .client import ChatClient, Completion
+from .datasets import load_prompt_set
 from .errors import ABError
-from .prompts import Prompt, extract_answer, final_answer_key, load_prompts
+from .prompts import Prompt, final_answer_key, response_answer
 from .report import fmt, markdown_table, write_json
 from .serve_metrics import pass_at_1, summarize_agreements, token_agreement
+from .speed import arm_speed
+from .stats import arm_accuracy, compare
 
 @dataclass
 class ServeConfig:
@@ -34,6 +40,9 @@ class ServeConfig:
     out_dir: Path
     model: str | None = None
     prompts: str | None = None
+    prompts_format: str = "auto"  # datasets.FORMATS
+    choice_seed: int = 0  # gpqa-csv: the seed of each question's choice order
+    prompt_template: str | None = None  # a template file for multiple-choice prompts
     limit: int | None = None
     concurrency: int = 8
     retries: int = 3
@@ -43,6 +52,8 @@ class ServeConfig:
     reasoning_effort: str | None = None
     seeds: int = 1
     top_logprobs: int = 5
+    bootstrap_resamples: int = 10000
+    bootstrap_seed: int = 0
     plots: bool = True  # --no-plots: report.json and summary.md only
     temperature: float = 0.6
     top_p: float = 0.95
@@ -56,12 +67,15 @@ class RequestResult:
     prompt_id: str
     finish_reason: str | None
     answer: str | None
+    answer_source: str | None  # "content", "reasoning_content" (content empty) or None (no answer)
     correct: bool | None  # None for prompts without a gold answer
     truncated: bool
     completion_tokens: int | None
     content_chars: int
     reasoning_chars: int
     latency_s: float
+    start_s: float  # request start and end, s after the run's start (end: when its answer was stored)
+    end_s: float
 
 
 @dataclass
@@ -74,6 +88,9 @@ class ServeABReport:
     accuracy: dict
     per_prompt: list[dict]
     definitions: dict = field(default_factory=dict)
+    dataset: dict = field(default_factory=dict)
+    comparison: dict | None = None  # stats.PairedComparison of the arms on all graded prompts
+    speed: dict = field(default_factory=dict)  # arm -> speed.ArmSpeed
     files: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -81,14 +98,32 @@ class ServeABReport:
 
 
 DEFINITIONS = {
-    "answer_extraction": "last 'Answer: X' (mc: letter within the choices; arith: number, commas/$ stripped, "
-                         "42.0 == 42) in choices[0].message.content, else the last \\boxed{X}; reasoning_content "
-                         "is never searched",
+    "answer_extraction": "in choices[0].message.content, or in reasoning_content when content is empty (answer_source "
+                         "says which): mc: the last 'Answer: X' (X any case, a letter within the choices) or "
+                         "'answer is X' (X upper case), else the last \\boxed{X}; arith: the last 'Answer: N' "
+                         "(commas/$ stripped, 42.0 == 42), else the last \\boxed{N}",
     "final_answer_match": "both arms' extracted answers equal; when an arm has no extractable answer, its "
-                          "whitespace-normalised content is compared instead",
-    "pass@1": "mean over seeds of per-seed accuracy on graded prompts; seed 0 greedy (temperature 0), seeds >= 1 "
-              "temperature 0.6, top_p 0.95, request seed = seed index; std = sample std over seeds (ddof=1)",
+                          "whitespace-normalised graded text is compared instead",
+    "pass@1": "pass@1[avg-of-N]: mean over the N seeds of the per-seed accuracy on graded prompts (truncated and "
+              "unanswered requests score 0); seed 0 greedy (temperature 0), seeds >= 1 temperature 0.6, top_p 0.95, "
+              "request seed = seed index; std = sample std of the per-seed accuracies (ddof=1; 0 for one seed), "
+              "sem = std / sqrt(N) (NeMo-Skills' std_err_across_runs; null for one seed)",
+    "majority@N": "per question the most common extracted answer over its N requests (unanswered ones left out; "
+                  "none: 0; a tie scores the mean correctness of the tied answers, as NeMo-Skills), mean over questions",
     "truncated": "finish_reason == 'length'; reported apart from wrong answers (wrong_rate excludes truncated)",
+    "empty_answer_rate": "share of requests without an extractable answer, truncated ones included "
+                         "(no_answer_rate: the same without the truncated ones)",
+    "comparison": "B = the second arm against A = the first, all graded prompts, paired on questions and seeds; "
+                  "diff_pp = 100 (pass@1_B - pass@1_A); se_pp = 100 std(d_q, ddof=1) / sqrt(Q), d_q = question q's "
+                  "mean-over-seeds correctness of B minus A; sigmas = diff_pp / se_pp; unpaired_se_pp = "
+                  "100 sqrt(sem_A^2 + sem_B^2); ci95_pp: percentile bootstrap of mean(d_q) over questions resampled "
+                  "with replacement (scipy.stats.bootstrap, seed in bootstrap.seed); mcnemar: seed 0 (greedy) "
+                  "questions only A / only B gets right, exact two-sided p (scipy.stats.binomtest, p = 1/2); the "
+                  "verdict names a difference only when ci95_pp excludes 0",
+    "speed": "per arm, the same requests: latency_s = client-side wall time of a request (retries included), "
+             "p50/p90/p99 by linear interpolation; tokens_per_s_per_request = usage.completion_tokens / latency; "
+             "aggregate_tokens_per_s = total usage.completion_tokens / wall_span_s (the arm's first request start "
+             "to its last answer)",
     "token_metrics": "see k3nvfp4.sglang_ext.ab.serve_metrics: aligned positions 0..first divergence inclusive; "
                      "|delta logprob| of arm A's token; top-k KL over A's top-k plus one rest bucket "
                      "(lower bound of the full KL when exact)",
@@ -134,6 +169,20 @@ def _run_all(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progr
             bar.close()
 
 
+class _ArrivalLog(dict):
+    """The completions dict the request loop fills (key -> Completion), stamping when each is
+    stored: a request's end, from which its start is end - latency_s (speed.py's wall span).
+    The loop stores each answer as it arrives (what partial.json relies on too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived: dict[tuple, float] = {}
+
+    def __setitem__(self, key, value) -> None:
+        self.arrived[key] = time.perf_counter()
+        super().__setitem__(key, value)
+
+
 def _config_dict(cfg: ServeConfig) -> dict:
     """The run's options as JSON values (paths as strings), for report.json and partial.json."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
@@ -165,7 +214,9 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
         raise ABError(f"the two arms need different names, both are {cfg.arms[0][0]!r}")
     if cfg.seeds < 1:
         raise ABError(f"--seeds must be >= 1, got {cfg.seeds}")
-    prompts = load_prompts(cfg.prompts, limit=cfg.limit)
+    pset = load_prompt_set(cfg.prompts, cfg.prompts_format, choice_seed=cfg.choice_seed,
+                           template_path=cfg.prompt_template, limit=cfg.limit)
+    prompts = pset.prompts
     clients = [ChatClient(n, u, timeout_s=cfg.timeout_s, retries=cfg.retries, backoff_s=cfg.backoff_s)
                for n, u in cfg.arms]
     arms_info: dict[str, dict] = {}
@@ -179,7 +230,7 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
     jobs = [(c, _payload(cfg, arms_info[c.name]["model"], p, s), (c.name, s, p.id))
             for s in range(cfg.seeds) for c in clients for p in prompts]
     t0 = time.perf_counter()
-    comps: dict[tuple, Completion] = {}
+    comps = _ArrivalLog()
     try:
         _run_all(jobs, cfg.concurrency, cfg.progress, comps)
     except ABError as e:
@@ -189,14 +240,15 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
     wall = time.perf_counter() - t0
 
     results: dict[tuple, RequestResult] = {}
-    by_id = {p.id: p for p in prompts}  # ids are unique (load_prompts)
+    by_id = {p.id: p for p in prompts}  # ids are unique (load_prompt_set)
     for (arm, seed, pid), comp in comps.items():
         p = by_id[pid]
-        ans = extract_answer(comp.content, p.kind, p.num_choices)
+        ans, source = response_answer(comp.content, comp.reasoning_content, p.kind, p.num_choices)
+        end = comps.arrived.get((arm, seed, pid), t0 + wall) - t0
         results[(arm, seed, pid)] = RequestResult(
-            arm, seed, pid, comp.finish_reason, ans, None if p.answer is None else ans == p.answer,
+            arm, seed, pid, comp.finish_reason, ans, source, None if p.answer is None else ans == p.answer,
             comp.finish_reason == "length", comp.completion_tokens, len(comp.content or ""),
-            len(comp.reasoning_content or ""), comp.latency_s)
+            len(comp.reasoning_content or ""), comp.latency_s, max(0.0, end - comp.latency_s), end)
 
     a, b = clients[0].name, clients[1].name
     # Greedy pass (seed 0): answer agreement and token-level agreement.
@@ -204,9 +256,12 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
     missing_logprobs = {a: 0, b: 0}
     for p in prompts:
         ca, cb = comps[(a, 0, p.id)], comps[(b, 0, p.id)]
-        ka, kb = final_answer_key(ca.content, p), final_answer_key(cb.content, p)
+        ka = final_answer_key(ca.content, p, ca.reasoning_content)
+        kb = final_answer_key(cb.content, p, cb.reasoning_content)
         matches += ka == kb
-        row = {"id": p.id, "kind": p.kind, "gold": p.answer, f"answer_{a}": results[(a, 0, p.id)].answer,
+        row = {"id": p.id, "kind": p.kind, "gold": p.answer, **({"choice_order": list(p.choice_order)}
+                                                                 if p.choice_order else {}),
+               f"answer_{a}": results[(a, 0, p.id)].answer,
                f"answer_{b}": results[(b, 0, p.id)].answer, "final_answer_match": ka == kb,
                f"finish_{a}": ca.finish_reason, f"finish_{b}": cb.finish_reason}
         for name, comp in ((a, ca), (b, cb)):
@@ -217,39 +272,60 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
             row.update(first_divergence=ag.first_divergence, tokens_a=ag.n_tokens_a, tokens_b=ag.n_tokens_b,
                        max_abs_dlogprob=ag.dlogprob_max if ag.dlogprob_n else None)
         per_prompt.append(row)
+    # "prompts" after the token summary, whose own "prompts" counts those with logprobs on both arms.
+    tok = summarize_agreements(agreements)
+    tok["prompts_compared_by_tokens"] = tok.pop("prompts")
     greedy = {"baseline_arm": a, "other_arm": b, "prompts": len(prompts),
               "final_answer_match_rate": matches / len(prompts),
-              "prompts_without_logprobs": missing_logprobs, **summarize_agreements(agreements)}
+              "prompts_without_logprobs": missing_logprobs, **tok}
 
     # Accuracy pass: per arm, per seed, graded prompts only.
     graded = [p for p in prompts if p.answer is not None]
     accuracy: dict[str, dict] = {}
+    grades: dict[str, tuple] = {}  # arm -> (correct [Q, N], sem) of all graded prompts
     for c in clients:
         rs = [results[(c.name, s, p.id)] for s in range(cfg.seeds) for p in prompts]
         arm_acc = {"requests": len(rs),
                    "truncation_rate": sum(r.truncated for r in rs) / len(rs),
+                   "answer_from_reasoning_rate": sum(r.answer_source == "reasoning_content" for r in rs) / len(rs),
                    "mean_latency_s": sum(r.latency_s for r in rs) / len(rs)}
         for subset, ps in (("all_graded", graded), ("mc", [p for p in graded if p.kind == "mc"]),
                            ("arith", [p for p in graded if p.kind == "arith"])):
             if not ps:
                 continue
-            per_seed, wrong, trunc, noans = [], 0, 0, 0
-            for s in range(cfg.seeds):
-                rr = [results[(c.name, s, p.id)] for p in ps]
-                per_seed.append(sum(bool(r.correct) for r in rr) / len(rr))
-                trunc += sum(r.truncated for r in rr)
-                wrong += sum((not r.correct) and not r.truncated and r.answer is not None for r in rr)
-                noans += sum(r.answer is None and not r.truncated for r in rr)
+            grid = [[results[(c.name, s, p.id)] for s in range(cfg.seeds)] for p in ps]  # [Q][N]
+            correct = [[float(bool(r.correct)) for r in row] for row in grid]
+            st = arm_accuracy(correct, [[r.answer for r in row] for row in grid], [p.answer for p in ps],
+                              [[r.truncated for r in row] for row in grid])
             n = len(ps) * cfg.seeds
-            mean, std = pass_at_1(per_seed)
-            arm_acc[subset] = {"prompts": len(ps), "pass@1": mean, "std": std, "per_seed": per_seed,
-                               "wrong_rate": wrong / n, "truncated_rate": trunc / n, "no_answer_rate": noans / n}
+            wrong = sum((not r.correct) and not r.truncated and r.answer is not None for row in grid for r in row)
+            noans = sum(r.answer is None and not r.truncated for row in grid for r in row)
+            mean, std = pass_at_1(st.per_seed)
+            arm_acc[subset] = {"prompts": len(ps), "seeds": cfg.seeds, "pass@1": mean, "std": std, "sem": st.sem,
+                               "per_seed": st.per_seed, "majority": st.majority,
+                               "metric_names": {"pass@1": f"pass@1[avg-of-{cfg.seeds}]",
+                                                "majority": f"majority@{cfg.seeds}"},
+                               "wrong_rate": wrong / n, "truncated_rate": st.truncated_rate, "no_answer_rate": noans / n,
+                               "empty_answer_rate": st.empty_answer_rate}
+            if subset == "all_graded":
+                grades[c.name] = (correct, st.sem)
         accuracy[c.name] = arm_acc
+    comparison = None
+    if len(grades) == 2:
+        comparison = compare(a, b, grades[a][0], grades[b][0], grades[a][1], grades[b][1],
+                             resamples=cfg.bootstrap_resamples, seed=cfg.bootstrap_seed).to_dict()
+        comparison["subset"] = "all_graded"
+    speed = {}
+    for c in clients:
+        rs = [results[(c.name, s, p.id)] for s in range(cfg.seeds) for p in prompts]
+        speed[c.name] = arm_speed([r.latency_s for r in rs], [r.completion_tokens for r in rs],
+                                  [r.start_s for r in rs], [r.end_s for r in rs]).to_dict()
 
     cfg_d = _config_dict(cfg)
-    cfg_d["prompt_set"] = cfg.prompts or "built-in default_prompts.jsonl"
+    cfg_d["prompt_set"] = pset.source
     cfg_d["wall_s"] = wall
-    report = ServeABReport(cfg_d, arms_info, greedy, accuracy, per_prompt, DEFINITIONS)
+    report = ServeABReport(cfg_d, arms_info, greedy, accuracy, per_prompt, DEFINITIONS, pset.describe(), comparison,
+                           speed)
     _write_serve_outputs(report, cfg, comps, results)
     return report
 
@@ -259,12 +335,13 @@ def summary_markdown(rep: ServeABReport) -> str:
     g = rep.greedy
     a, b = g["baseline_arm"], g["other_arm"]
     lines = [f"# Serve A/B: {a} vs {b}", "",
-             f"Prompts: {g['prompts']} ({rep.config['prompt_set']}), seeds: {rep.config['seeds']}, "
+             f"Prompts: {g['prompts']} ({rep.config['prompt_set']}, {rep.dataset.get('format')}, template "
+             f"{rep.dataset.get('prompt_template', {}).get('source')}), seeds: {rep.config['seeds']}, "
              f"max_tokens: {rep.config['max_tokens']}, reasoning_effort: {rep.config['reasoning_effort']}", "",
              "## Greedy pass (seed 0)", "",
              markdown_table(["metric", "value"], [
                  ["final-answer match rate", fmt(g["final_answer_match_rate"], ".3f")],
-                 ["identical token streams", f"{g['identical_token_streams']}/{g['prompts']}"],
+                 ["identical token streams", f"{g['identical_token_streams']}/{g['prompts_compared_by_tokens']}"],
                  ["median first-divergence position", g["median_first_divergence"]],
                  ["top-1 token agreement (aligned positions)", fmt(g["top1_agreement"], ".4f")],
                  ["mean abs delta logprob", fmt(g["mean_abs_dlogprob"], ".3g")],
@@ -272,16 +349,61 @@ def summary_markdown(rep: ServeABReport) -> str:
                  ["mean top-k KL (nats, approx.)", fmt(g["mean_topk_kl"], ".3g")],
                  ["aligned positions", g["aligned_positions"]],
              ]), "", "## Accuracy (pass@1 over seeds)", ""]
+    n = rep.config["seeds"]
     rows = []
     for arm, acc in rep.accuracy.items():
         for subset in ("all_graded", "mc", "arith"):
             if subset in acc:
                 s = acc[subset]
-                rows.append([arm, subset, s["prompts"], f"{100*s['pass@1']:.2f}", f"{100*s['std']:.2f}",
-                             f"{100*s['wrong_rate']:.2f}", f"{100*s['truncated_rate']:.2f}", f"{100*s['no_answer_rate']:.2f}"])
-    lines.append(markdown_table(["arm", "set", "prompts", "pass@1 %", "std %", "wrong %", "truncated %", "no answer %"], rows))
+                rows.append([arm, subset, s["prompts"], f"{100*s['pass@1']:.2f}", f"{100*s['std']:.2f}", _pct(s["sem"]),
+                             f"{100*s['majority']:.2f}", f"{100*s['wrong_rate']:.2f}", f"{100*s['truncated_rate']:.2f}",
+                             f"{100*s['no_answer_rate']:.2f}", f"{100*s['empty_answer_rate']:.2f}"])
+    lines.append(f"pass@1[avg-of-{n}] and majority@{n} over {n} seed(s) (seed 0 greedy); SEM = std over seeds / "
+                 f"sqrt({n}).")
+    lines += ["", markdown_table(["arm", "set", "prompts", "pass@1 %", "std %", "SEM %", f"majority@{n} %", "wrong %",
+                                  "truncated %", "no answer %", "empty answer %"], rows)]
+    c = rep.comparison
+    if c is not None:
+        m = c["mcnemar"]
+        ci = c["ci95_pp"]
+        lines += ["", f"## {c['arm_b']} vs {c['arm_a']} (paired, {c['questions']} questions x {c['seeds']} seeds)", "",
+                  f"**Verdict: {c['verdict']}**", "",
+                  markdown_table(["metric", "value"], [
+                      ["difference (B - A)", f"{c['diff_pp']:+.2f} pp"],
+                      ["paired SE", _pp(c["se_pp"])],
+                      ["sigmas (difference / paired SE)", fmt(c["sigmas"], ".2f")],
+                      ["unpaired SE sqrt(SEM_A^2 + SEM_B^2)", _pp(c["unpaired_se_pp"])],
+                      ["95% bootstrap CI over questions", "–" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}] pp"],
+                      ["bootstrap", f"{c['bootstrap']['resamples']} resamples, seed {c['bootstrap']['seed']}"],
+                      [f"greedy: only {c['arm_a']} right / only {c['arm_b']} right", f"{m['a_only']} / {m['b_only']}"],
+                      ["greedy: both right / both wrong", f"{m['both']} / {m['neither']}"],
+                      ["exact McNemar p (greedy)", fmt(m["p_value"], ".3g")],
+                  ]), "",
+                  "A gap on a small benchmark can be a prompt artefact (template, answer format, extraction) rather "
+                  "than the backend: read the interval, and reproduce with the model card's harness before "
+                  "concluding."]
+    if rep.speed:
+        srows = []
+        for arm, sp in rep.speed.items():
+            lat, tps = sp["latency_s"], sp["tokens_per_s_per_request"] or {}
+            srows.append([arm, sp["requests"], fmt(lat["p50"], ".3g"), fmt(lat["p90"], ".3g"), fmt(lat["p99"], ".3g"),
+                          fmt(tps.get("p50"), ".4g"), fmt(sp["aggregate_tokens_per_s"], ".4g"),
+                          sp["total_completion_tokens"], fmt(sp["wall_span_s"], ".3g")])
+        lines += ["", "## Speed (the same requests)", "",
+                  markdown_table(["arm", "requests", "latency p50 s", "p90 s", "p99 s", "tokens/s per request p50",
+                                  "aggregate tokens/s", "completion tokens", "wall span s"], srows)]
     lines += ["", "Definitions: see report.json `definitions`.", ""]
     return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    """A fraction as percent (2 decimals), or an en dash."""
+    return "–" if x is None else f"{100 * x:.2f}"
+
+
+def _pp(x: float | None) -> str:
+    """Percentage points (2 decimals), or an en dash."""
+    return "–" if x is None else f"{x:.2f} pp"
 
 
 def _write_serve_outputs(rep: ServeABReport, cfg: ServeConfig, comps: dict, results: dict) -> None:
@@ -299,13 +421,16 @@ def _write_serve_outputs(rep: ServeABReport, cfg: ServeConfig, comps: dict, resu
     if cfg.plots:  # optional, after the report: a plot never loses it (plots.draw_all)
         g = rep.greedy
         todo = {"divergence_plot": ("divergence_hist.png", lambda path: plots.divergence_histogram(
-            path, g["first_divergence_positions"], g["identical_token_streams"], g["prompts"],
+            path, g["first_divergence_positions"], g["identical_token_streams"], g["prompts_compared_by_tokens"],
             f"greedy first divergence: {g['other_arm']} vs {g['baseline_arm']}"))}
         if all("all_graded" in rep.accuracy[x] for x in arms):
+            acc = [rep.accuracy[x]["all_graded"] for x in arms]
+            c = rep.comparison
             todo["accuracy_plot"] = ("accuracy.png", lambda path: plots.accuracy_bars(
-                path, arms, [rep.accuracy[x]["all_graded"]["pass@1"] for x in arms],
-                [rep.accuracy[x]["all_graded"]["std"] for x in arms],
-                [rep.accuracy[x]["truncation_rate"] for x in arms], "pass@1 per arm (+-1 std over seeds)"))
+                path, arms, [x["pass@1"] for x in acc], [x["sem"] for x in acc],
+                [rep.accuracy[x]["truncation_rate"] for x in arms],
+                f"pass@1[avg-of-{cfg.seeds}] per arm (+-1 SEM over seeds)",
+                diff=None if c is None else (c["diff_pp"], c["ci95_pp"], c["verdict"])))
         drawn, skipped = plots.draw_all(out, todo)
         rep.files.update(drawn)
         if skipped:
