@@ -153,25 +153,29 @@ def _jobs(clients, n):
             for c in clients for i in range(n)]
 
 
-def test_requests_in_flight_are_bounded_per_arm(capsys):
-    """--concurrency 2: each arm has at most 2 requests in flight (both arms at once), every
-    request is answered once, and the status line counts requests and tokens per arm."""
-    in_flight, peak = {"a": 0, "b": 0}, {"a": 0, "b": 0}
+def test_requests_in_flight_are_bounded(capsys):
+    """--concurrency 3: at most 3 requests in flight over both arms (the bound of the thread pool
+    the urllib client had, so the servers see the batches they saw), started in job order; every
+    request answered once; the status line counts requests and tokens per arm."""
+    state = {"in_flight": 0, "peak": 0, "order": []}
 
     def arm(name):
         async def handle(request):
-            in_flight[name] += 1
-            peak[name] = max(peak[name], in_flight[name])
+            state["in_flight"] += 1
+            state["peak"] = max(state["peak"], state["in_flight"])
+            q = json.loads(request.content)["messages"][0]["content"]
+            state["order"].append((name, q))
             await asyncio.sleep(0.01)  # let the other requests pile up
-            in_flight[name] -= 1
-            return _ok(f"Answer: {json.loads(request.content)['messages'][0]['content']}")
+            state["in_flight"] -= 1
+            return _ok(f"Answer: {q}")
         return ChatClient(name, f"http://{name}:1", transport=httpx.MockTransport(handle))
 
     clients = [arm("a"), arm("b")]
     jobs = _jobs(clients, 7)
     out = {}
-    serve._run_all(jobs, 2, False, out)
-    assert peak == {"a": 2, "b": 2}
+    serve._run_all(jobs, 3, False, out)
+    assert state["peak"] == 3
+    assert state["order"][:3] == [("a", "q0"), ("a", "q1"), ("a", "q2")]  # FIFO: the first three jobs first
     assert sorted(out) == sorted(k for _, _, k in jobs)
     assert all(out[(n, 0, f"p{i}")].content == f"Answer: q{i}" for n in "ab" for i in range(7))
     err = capsys.readouterr().err.strip().splitlines()[-1]  # LogProgress's final line (no terminal)
@@ -180,36 +184,44 @@ def test_requests_in_flight_are_bounded_per_arm(capsys):
 
 
 def test_first_error_cancels_the_rest_and_keeps_what_was_answered():
-    """Arm a answers two requests, then hangs on the next two (--concurrency 2); arm b then
-    answers HTTP 400. The run stops with b's error at once: a's two hanging requests are cancelled
-    (not waited for), its fifth never starts, its two answers are kept."""
-    state = {"answered": 0, "hanging": 0, "cancelled": 0}
+    """Jobs a0 b0 a1 b1 ..., --concurrency 3. Arm a answers two requests, then hangs; arm b answers
+    its first request HTTP 400 once a hangs, and hangs after that. The run stops with b's error at
+    once: every request in flight is cancelled (not waited for), queued ones never start, and a's
+    two answers are kept."""
+    st = {"a": {"seen": 0, "cancelled": 0}, "b": {"seen": 0, "cancelled": 0}}
     a_hangs = asyncio.Event()  # binds to the run's loop on first use
 
-    async def handle_a(request):
-        if state["answered"] < 2:
-            state["answered"] += 1
-            return _ok()
-        state["hanging"] += 1
-        if state["hanging"] == 2:
-            a_hangs.set()
+    async def hang(arm):
         try:
             await asyncio.Event().wait()  # never answers
         except asyncio.CancelledError:
-            state["cancelled"] += 1
+            st[arm]["cancelled"] += 1
             raise
 
+    async def handle_a(request):
+        st["a"]["seen"] += 1
+        if st["a"]["seen"] <= 2:
+            return _ok()
+        a_hangs.set()
+        await hang("a")
+
     async def handle_b(request):
-        await a_hangs.wait()
-        return httpx.Response(400, text="bad request")
+        st["b"]["seen"] += 1
+        if st["b"]["seen"] == 1:
+            await a_hangs.wait()
+            return httpx.Response(400, text="bad request")
+        await hang("b")
 
     a = ChatClient("a", "http://a:1", transport=httpx.MockTransport(handle_a))
     b = ChatClient("b", "http://b:1", retries=3, transport=httpx.MockTransport(handle_b))
+    jobs = [j for pair in zip(_jobs([a], 5), _jobs([b], 5)) for j in pair]
     out = {}
     with pytest.raises(ServerError, match=r"^arm 'b' \(http://b:1/v1/chat/completions\): HTTP 400: bad request$"):
-        serve._run_all(_jobs([a, b], 5), 2, False, out)
+        serve._run_all(jobs, 3, False, out)
     assert sorted(out) == [("a", 0, "p0"), ("a", 0, "p1")]
-    assert state == {"answered": 2, "hanging": 2, "cancelled": 2}
+    # a0, a1 answered, a2 hangs; b0 fails, b1 and b2 (which took b0's slot) hang: all cancelled;
+    # a3, a4, b3, b4 never started.
+    assert st == {"a": {"seen": 3, "cancelled": 1}, "b": {"seen": 3, "cancelled": 2}}
 
 
 def test_cli_without_httpx_names_the_package(tmp_path, capsys, monkeypatch):

@@ -111,10 +111,12 @@ def _payload(cfg: ServeConfig, model: str, prompt: Prompt, seed: int) -> dict:
 
 def _run_all(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progress: bool,
              out: dict[tuple, Completion]) -> None:
-    """Run every request into ``out`` (key -> Completion), at most ``concurrency`` in flight per
-    arm; the first environment error cancels the rest (queued and in flight) and is raised, with
-    ``out`` holding the requests answered until then. Progress: requests done, and per arm
-    requests/s and output tokens/s (the servers' usage.completion_tokens)."""
+    """Run every request into ``out`` (key -> Completion), at most ``concurrency`` in flight in
+    all (both arms together, started in ``jobs`` order, as the thread pool of the urllib client
+    did: the servers see the same batches); the first environment error cancels the rest (queued
+    and in flight) and is raised, with ``out`` holding the requests answered until then.
+    Progress: requests done, and per arm requests/s and output tokens/s (the servers'
+    usage.completion_tokens)."""
     asyncio.run(_run_all_async(jobs, concurrency, progress, out))
 
 
@@ -141,10 +143,10 @@ async def _run_all_async(jobs: list[tuple[ChatClient, dict, tuple]], concurrency
     rates = _ArmRates([c.name for c in clients])
     async with contextlib.AsyncExitStack() as stack:
         sessions = {id(c): await stack.enter_async_context(c.session(concurrency)) for c in clients}
-        slots = {id(c): asyncio.Semaphore(max(1, concurrency)) for c in clients}
+        slots = asyncio.Semaphore(max(1, concurrency))  # FIFO: requests start in jobs order
 
         async def one(client: ChatClient, payload: dict, key: tuple) -> None:
-            async with slots[id(client)]:
+            async with slots:
                 comp = await client.achat(sessions[id(client)], payload)
             out[key] = comp
             bar.set_postfix_str(rates.add(client.name, comp), refresh=False)
