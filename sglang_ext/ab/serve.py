@@ -138,12 +138,12 @@ class _ArmRates:
 async def _run_all_async(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progress: bool,
                          out: dict[tuple, Completion]) -> None:
     clients = list({id(c): c for c, _, _ in jobs}.values())
-    # bars=False: plain status lines (LogProgress), as the cast and the tuner print without a terminal.
-    bar = progress_bar(len(jobs), "requests", bars=progress, unit="req")
-    rates = _ArmRates([c.name for c in clients])
     async with contextlib.AsyncExitStack() as stack:
         sessions = {id(c): await stack.enter_async_context(c.session(concurrency)) for c in clients}
         slots = asyncio.Semaphore(max(1, concurrency))  # FIFO: requests start in jobs order
+        # bars=False: plain status lines (LogProgress), as the cast and the tuner print without a terminal.
+        bar = progress_bar(len(jobs), "requests", bars=progress, unit="req")
+        rates = _ArmRates([c.name for c in clients])
 
         async def one(client: ChatClient, payload: dict, key: tuple) -> None:
             async with slots:
