@@ -165,9 +165,22 @@ def test_call_arguments_bind_to_the_installed_cutlass_fused_moe(fi, activation):
     assert s1.dtype == s2.dtype == torch.int32
     assert s1.shape == (E, 2 * I // 64, H // 128, 16, 4) and s2.shape == (E, H // 64, I // 128, 16, 4)
     assert torch.equal(s1.view(torch.uint8), fa.interleaved_scales(mx.fc1_e8m0))
-    # FlashInfer's own W4A16 runner expects these uint8 shapes before its int32 view.
-    src = inspect.getsource(__import__("flashinfer.fused_moe.runners", fromlist=["x"]).CutlassW4A16Runner)
-    assert "gemm1_rows // 64" in src and "hidden_size // 128" in src and "view(torch.int32)" in src
+    # FlashInfer's own W4A16 runner (its unified API over the same call) validates these tensors
+    # and passes the same quant_scales: its checks run here on a stand-in for the runner's state.
+    from types import SimpleNamespace
+
+    from flashinfer.fused_moe.runners import CutlassW4A16Runner as R
+
+    me = SimpleNamespace(config=SimpleNamespace(routing=SimpleNamespace(num_experts=E),
+                                                experts=SimpleNamespace(intermediate_size=I),
+                                                activation=SimpleNamespace(is_gated=True)),
+                         device=torch.device("cpu"), _required_weight_keys=R._required_weight_keys)
+    me._validate_weight_storage = lambda ts: R._validate_weight_storage(me, ts)
+    view = {"fc1_expert_weights": p.fc1, "fc2_expert_weights": p.fc2, "fc1_expert_scales": s1.view(torch.uint8),
+            "fc2_expert_scales": s2.view(torch.uint8)}
+    packed = R._pack_weight_inputs(me, view, H)  # raises on a shape or dtype it does not take
+    qs = R._quant_scales(me, [None] * 6 + packed[2:])
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(qs, kw["quant_scales"]))
     if activation == "situ":
         assert kw["activation_type"] == fi.ActivationType.Situ and int(kw["activation_type"]) == 10
         assert kw["situ_beta"].dtype == kw["situ_linear_beta"].dtype == torch.float32
