@@ -29,9 +29,10 @@ Per point (shape, M):
             our time. OpenAI triton_kernels when importable (else "not available: why").
             FlashInfer's SiTU MoE where it runs (k3nvfp4.sglang_ext.ab.flashinfer_arm: SM90
             cutlass_fused_moe W4A16 on MXFP4 experts, H and I multiples of 128, so ep16 and not
-            tp16), on random MXFP4 experts of the shape, checked against the reference on those
-            experts first (FlashInfer issue 4597: a wrong activation on this path would show as
-            its error); x_vs_flashinfer = FlashInfer time / our time. Elsewhere "not available: why".
+            tp16; SM100 its NVFP4 x NVFP4 path), on random MXFP4 experts of the shape, checked
+            against the reference on those experts first (FlashInfer issue 4597: a wrong
+            activation on this path would show as its error); x_vs_flashinfer = FlashInfer time /
+            our time. Elsewhere "not available: why".
 Weights: one scale_2 for w1 and w3 of an expert (as the K3 cast writes them and marlin needs).
 Correctness: before timing, at one M per shape, our kernel and marlin (NaN-poisoned outputs)
 and the bf16 baseline are compared with fused_moe_nvfp4_reference (normwise error); an arm that
@@ -343,7 +344,10 @@ def fp4_mode_arms(torch, shape, device, seed: int) -> dict:
     return {mode: FP4MMAWeights.from_nvfp4(w, mxfp8=mode == "mxfp8") for mode in ("nvfp4", "mxfp8")}
 
 
-FLASHINFER_TOL = 2e-2  # bf16, normwise, as marlin's (FlashInfer also rounds the GEMM1 output to bf16)
+FLASHINFER_TOL = 2e-2  # SM90 W4A16: bf16, normwise, as marlin's (FlashInfer also rounds the GEMM1 output to bf16)
+# SM100 NVFP4 x NVFP4 (W4A4) against the W4A16 reference: the activations' quantization error
+# (~0.1 normwise here); a wrong activation gives errors of order 1.
+FLASHINFER_W4A4_TOL = 0.25
 
 
 def flashinfer_status(torch, shape, device) -> str | None:
@@ -356,13 +360,13 @@ def flashinfer_status(torch, shape, device) -> str | None:
 
 
 def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
-    """(FlashInferMoE, None) when FlashInfer's SM90 W4A16 MoE runs this shape and its output at the
-    check M (NaN-poisoned) is within FLASHINFER_TOL of the reference on the same MXFP4 experts;
-    else (None, why). Its error is recorded either way: it is what tells whether FlashInfer ran
-    SiTU (FlashInfer issue 4597), never assumed."""
+    """(FlashInferMoE, None) when FlashInfer's SiTU MoE (SM90 W4A16; SM100 NVFP4 x NVFP4) runs this
+    shape and its output at the check M (NaN-poisoned) is within tolerance of the reference on the
+    same MXFP4 experts; else (None, why). Its error is recorded either way: it is what tells
+    whether FlashInfer ran SiTU (FlashInfer issue 4597), never assumed."""
     from k3nvfp4.kernels import fused_moe_nvfp4_reference
     from k3nvfp4.kernels.tune import normwise_error
-    from k3nvfp4.sglang_ext.ab.flashinfer_arm import FlashInferMoE, FlashInferMXFP4
+    from k3nvfp4.sglang_ext.ab.flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights
 
     why = flashinfer_status(torch, shape, device)
     if why:
@@ -371,7 +375,10 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
     try:
         t0 = time.monotonic()
         w = mxfp4_bench_weights(torch, shape, device, seed)
-        fi = FlashInferMoE(FlashInferMXFP4.from_nvfp4(w), "situ", 4.0, 25.0)
+        fw = flashinfer_weights(w, device)
+        fi = FlashInferMoE(fw, "situ", 4.0, 25.0)
+        w4a16 = isinstance(fw, FlashInferMXFP4)
+        tol = FLASHINFER_TOL if w4a16 else FLASHINFER_W4A4_TOL
         torch.cuda.synchronize()
         prep_s = time.monotonic() - t0
         xb = x.to(torch.bfloat16)
@@ -385,11 +392,13 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
         return None, f"not timed: {info['flashinfer']['error']}"
     import flashinfer
 
-    info["flashinfer"] = {"M": x.shape[0], "normwise_error": err, "tol": FLASHINFER_TOL, "ok": err <= FLASHINFER_TOL,
+    info["flashinfer"] = {"M": x.shape[0], "normwise_error": err, "tol": tol, "ok": err <= tol,
+                          "path": "SM90 W4A16 (MXFP4 weights)" if w4a16 else "SM100 NVFP4 x NVFP4 (W4A4)",
+                          "bytes_key": "mxfp4" if w4a16 else "modelopt_nvfp4",
                           "prepare_s": round(prep_s, 2), "version": flashinfer.__version__,
                           "weights": "random MXFP4 experts (mxfp4_bench_weights), the reference on the same experts"}
-    if not err <= FLASHINFER_TOL:
-        return None, (f"not timed: failed its check (normwise error {err:.3g} > {FLASHINFER_TOL} vs the reference on "
+    if not err <= tol:
+        return None, (f"not timed: failed its check (normwise error {err:.3g} > {tol} vs the reference on "
                       "the same MXFP4 experts; a wrong activation, FlashInfer issue 4597, would look like this)")
     return fi, None
 
@@ -551,8 +560,9 @@ def main(argv=None) -> int:
             "speedup_vs_bf16": "bf16 baseline time / our time (ours: time_us, graph replay when captured)",
             "x_vs_marlin": "SGLang marlin time / our time (both graph replay when captured): the issue's "
                            "triton_situ / marlin ratio, > 1 means triton_situ is faster",
-            "x_vs_flashinfer": "FlashInfer cutlass_fused_moe (SM90 W4A16, MXFP4 experts) time / our time, > 1 means "
-                               "triton_situ is faster; its bytes are the MXFP4 ones (bytes_mxfp4)",
+            "x_vs_flashinfer": "FlashInfer cutlass_fused_moe time / our time (SM90 W4A16 on MXFP4 experts, its bytes "
+                               "the MXFP4 ones, bytes_mxfp4; SM100 NVFP4 x NVFP4, bytes_modelopt), > 1 means "
+                               "triton_situ is faster",
         },
         "other_implementations": {"triton_kernels": probe_triton_kernels(), "sglang_marlin_nvfp4": marlin_status,
                                   "flashinfer": {}},  # per shape: flashinfer_status
@@ -696,8 +706,8 @@ def main(argv=None) -> int:
                     point["flashinfer"] = fi_skip
                 else:
                     try:
-                        point["flashinfer"] = time_flashinfer(torch, fi, x, tw, ids, shape, M, timer, nbytes["mxfp4"],
-                                                              args.no_graph)
+                        point["flashinfer"] = time_flashinfer(torch, fi, x, tw, ids, shape, M, timer,
+                                                              nbytes[info["flashinfer"]["bytes_key"]], args.no_graph)
                         point["x_vs_flashinfer"] = point["flashinfer"]["time_us"] / ours_res["time_us"]
                     except Exception as e:  # reported per point; our figures stand
                         point["flashinfer"] = f"error: {type(e).__name__}: {str(e)[:400]}"

@@ -189,6 +189,82 @@ def test_call_arguments_bind_to_the_installed_cutlass_fused_moe(fi, activation):
         assert kw["activation_type"] == fi.ActivationType.Swiglu and "situ_beta" not in kw
 
 
+def unswizzle(sw: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """CUTLASS's 128 x 4 scale layout read back byte by byte, from the atom's strides: scale (r, c)
+    at ((r // 128) * (C / 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4."""
+    E, _, C = sw.shape
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    at = ((r // 128) * (C // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+    return sw.reshape(E, -1)[:, at]
+
+
+def test_sm100_nvfp4_weights_and_call_arguments(fi):
+    """SM100 (NVFP4 x NVFP4): the layer's NVFP4 experts as they are in [up; gate] order, block scales
+    in CUTLASS's 128 x 4 layout (read back byte by byte from the scale atom's strides),
+    global scales and alphas by hand, the call bound to the installed signature and its tensors
+    validated by FlashInfer's own NVFP4 runner code."""
+    from types import SimpleNamespace
+
+    from flashinfer.fused_moe.runners import CutlassNvfp4Runner as R
+    from k3nvfp4.kernels import formats
+
+    layer = synthetic_layer(E, H, I, top_k=2, seed=4)  # random NVFP4, one scale_2 for gate and up
+    nv = fa.FlashInferNVFP4.from_nvfp4(layer.weights)
+    w13, s13, s13_2, w2, s2, s2_2 = layer.weights.to_modelopt()
+    ref13 = formats.dequantize_nvfp4(w13, s13, s13_2[:, 0]).double()
+    got13 = formats.dequantize_nvfp4(nv.fc1, nv.fc1_scale, nv.fc1_scale_2).double()
+    assert torch.equal(got13, torch.cat([ref13[:, I:], ref13[:, :I]], 1))
+    assert torch.equal(nv.fc2, w2) and torch.equal(nv.fc2_scale_2, s2_2)
+
+    p = fa.prepare_sm100(nv, "situ", 4.0, 25.0)
+    assert p.fc1.dtype == p.fc2.dtype == torch.int64 and p.fc1.shape == (E, 2 * I, H // 16)
+    assert p.fc2.shape == (E, H, I // 16) and torch.equal(p.fc1.view(torch.uint8), nv.fc1)
+    # The binding's FP4 checks: fc1 scales (E, align(I, 64) * 2, align(H, 64) / 64) int32, fc2 (E, align(H, 128), ...).
+    assert p.fc1_scales.dtype == torch.int32 and p.fc1_scales.shape == (E, 2 * I, H // 64)
+    assert p.fc2_scales.shape == (E, -(-H // 128) * 128, I // 64)
+    for sw, lin in ((p.fc1_scales, nv.fc1_scale), (p.fc2_scales, s2)):
+        assert torch.equal(unswizzle(sw.view(torch.uint8), *lin.shape[1:]), lin.view(torch.uint8))
+    # Padding: rows beyond the matrix (H = 256 rows of fc2 fill two tiles exactly; a 192-row one pads).
+    odd = torch.arange(2 * 192 * 8, dtype=torch.uint8).reshape(2, 192, 8).view(torch.float8_e4m3fn)
+    sw = fa.swizzled_scales(odd)
+    assert sw.shape == (2, 256, 8) and torch.equal(unswizzle(sw, 192, 8), odd.view(torch.uint8))
+    assert int(sw.flatten(1).count_nonzero(dim=1).max()) <= 192 * 8  # the padding is zeros
+
+    x = (torch.randn(5, H) * 3).bfloat16()
+    tw, ids = torch.rand(5, 2), torch.tensor([[0, 1], [2, -1], [1, 2], [0, 2], [-1, 1]])
+    kw = fa.sm100_call_kwargs(p, x, tw, ids, None)
+    fi_sig = inspect.signature(fi.cutlass_fused_moe)
+    fi_sig.bind(**kw)
+    a1, bs1, alpha1, a2, bs2, alpha2 = kw["quant_scales"]
+    assert a1.shape == () and a1.dtype == torch.float32
+    assert float(a1) == pytest.approx(448 * 6 / float(x.float().abs().max()), rel=1e-6)
+    assert torch.allclose(alpha1, nv.fc1_scale_2 / a1, rtol=1e-6) and alpha1.shape == (E,)
+    assert float(a2) == pytest.approx(448 * 6 / (4.0 * 25.0)) and torch.allclose(alpha2, nv.fc2_scale_2 / a2)
+    assert bs1 is p.fc1_scales and bs2 is p.fc2_scales and "use_w4_group_scaling" not in kw
+    assert kw["activation_type"] == fi.ActivationType.Situ and torch.equal(kw["situ_linear_beta"], torch.full((E,), 25.0))
+    # FlashInfer's NVFP4 runner over the same call validates the prepared tensors (a stand-in for its state).
+    me = SimpleNamespace(config=SimpleNamespace(routing=SimpleNamespace(num_experts=E),
+                                                experts=SimpleNamespace(intermediate_size=I),
+                                                activation=SimpleNamespace(is_gated=True)),
+                         device=torch.device("cpu"), _required_weight_keys=R._required_weight_keys)
+    me._validate_weight_storage = lambda ts: R._validate_weight_storage(me, ts)
+    view = {"fc1_expert_weights": nv.fc1, "fc2_expert_weights": nv.fc2, "fc1_act_global_scale": a1,
+            "fc1_weight_block_scale": bs1.view(torch.uint8), "fc1_dequant_scale": alpha1, "fc2_act_global_scale": a2,
+            "fc2_weight_block_scale": bs2.view(torch.uint8), "fc2_dequant_scale": alpha2}
+    packed = R._pack_weight_inputs(me, view, H)
+    assert torch.equal(packed[0], kw["fc1_expert_weights"]) and packed[0].dtype == torch.int64
+    qs = R._quant_scales(me, [None] * 4 + packed)  # inputs: out, x, ids, weights, then these
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(qs, kw["quant_scales"]))
+
+
+def test_sm100_refuses_gate_and_up_scale_2_that_differ():
+    from k3nvfp4.kernels.testing import random_nvfp4_moe_weights
+
+    w = random_nvfp4_moe_weights(2, H, I, seed=0, distinct_gate_up_scale_2=True)
+    with pytest.raises(ValueError, match=r"gate scale_2 != up scale_2; FlashInfer's NVFP4 MoE has one GEMM1 alpha"):
+        fa.FlashInferNVFP4.from_nvfp4(w)
+
+
 @pytest.mark.parametrize("args, why", [
     ((torch.float16, 256, 128, "situ", 25.0), "takes bf16 activations only, not torch.float16"),
     ((torch.bfloat16, 3584, 192, "situ", 25.0), "multiples of 128 (the K3 EP shards; not TP16's I = 192): I = 192"),
@@ -198,6 +274,13 @@ def test_call_arguments_bind_to_the_installed_cutlass_fused_moe(fi, activation):
 def test_layers_the_sm90_path_cannot_take(args, why):
     assert why in fa.sm90_layer_reason(*args)
     assert fa.sm90_layer_reason(torch.bfloat16, 3584, 3072, "situ", 25.0) is None  # the K3 EP16 shard
+
+
+def test_layers_the_sm100_path_cannot_take():
+    assert "multiples of 64 here: I = 96" in fa.sm100_layer_reason(torch.bfloat16, 3584, 96, "situ", 25.0)
+    assert "not torch.float32" in fa.sm100_layer_reason(torch.float32, 3584, 192, "situ", 25.0)
+    for I_shard in (192, 384, 3072):  # K3 TP16, TP8, EP16
+        assert fa.sm100_layer_reason(torch.bfloat16, 3584, I_shard, "situ", 25.0) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
