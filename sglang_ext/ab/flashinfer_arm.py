@@ -52,6 +52,7 @@ says so. Nothing is re-quantized.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -64,10 +65,8 @@ SM90_SHAPE_MULTIPLE = 128  # H and I (isProfileShapeSupported / prepare_cutlass_
 SM100_SHAPE_MULTIPLE = 64  # H (the activation scales' K alignment) and I (per-half 64-row scale padding)
 E2M1_X_E4M3_MAX = 6.0 * 448.0  # the largest NVFP4 magnitude at block scale 448: a global scale's target
 MXFP4_USE = "FlashInfer's SM90 W4A16 MoE (MXFP4 weights, one E8M0 scale per 32)"
-
-
-class FlashInferUnavailable(RuntimeError):
-    """FlashInfer's MoE cannot run here; the message is the reason."""
+# Set to 1 to let the arm JIT-build FlashInfer's fused-MoE module when no built copy exists (minutes of nvcc).
+JIT_ENV = "K3NVFP4_FLASHINFER_JIT"
 
 
 @dataclass(frozen=True)
@@ -378,12 +377,7 @@ def sm100_call_kwargs(p: PreparedSM100, x: torch.Tensor, topk_weights: torch.Ten
     return kw
 
 
-JIT_ENV = "K3NVFP4_FLASHINFER_JIT"
-
-
 def _jit_allowed() -> bool:
-    import os
-
     return os.environ.get(JIT_ENV, "") not in ("", "0")
 
 
