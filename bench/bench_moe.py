@@ -27,6 +27,12 @@ Per point (shape, M):
             them (alignment, GEMM1, SiTU as a separate kernel, GEMM2, top-k sum; see
             bench/peers/marlin/moe.py for the two kernels substituted). x_vs_marlin = marlin time /
             our time. OpenAI triton_kernels when importable (else "not available: why").
+            FlashInfer's SiTU MoE where it runs (k3nvfp4.sglang_ext.ab.flashinfer_arm: SM90
+            cutlass_fused_moe W4A16 on MXFP4 experts, H and I multiples of 128, so ep16 and not
+            tp16; SM100 its NVFP4 x NVFP4 path), on random MXFP4 experts of the shape, checked
+            against the reference on those experts first (FlashInfer issue 4597: a wrong
+            activation on this path would show as its error); x_vs_flashinfer = FlashInfer time /
+            our time. Elsewhere "not available: why".
 Weights: one scale_2 for w1 and w3 of an expert (as the K3 cast writes them and marlin needs).
 Correctness: before timing, at one M per shape, our kernel and marlin (NaN-poisoned outputs)
 and the bf16 baseline are compared with fused_moe_nvfp4_reference (normwise error); an arm that
@@ -311,11 +317,10 @@ def marlin_arm(torch, lib, weights, shape, x, tw, ids, ref, info: dict):
     return marlin, None
 
 
-def fp4_mode_arms(torch, shape, device, seed: int) -> dict:
-    """{act_quant: FP4MMAWeights} for the Blackwell FP4 modes, from random MXFP4 experts (E8M0
-    scales per 32, so both modes can run: mxfp8 needs E8M0-representable weight scales)."""
+def mxfp4_bench_weights(torch, shape, device, seed: int):
+    """Random MXFP4 experts (uniform E2M1 nibbles, E8M0 scales 2^-7 .. 2^-4 per 32) as
+    NVFP4MoEWeights: what the FP4 modes and FlashInfer's MXFP4 MoE take."""
     from k3nvfp4.kernels import NVFP4MoEWeights
-    from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights
 
     g = torch.Generator(device).manual_seed(seed + 7)
     E, H, I = shape.E, shape.H, shape.I
@@ -326,8 +331,89 @@ def fp4_mode_arms(torch, shape, device, seed: int) -> dict:
     def e8m0(*s):  # 2^-7 .. 2^-4 per 32-block: O(1) outputs for O(1) inputs at K3's fan-in
         return torch.randint(120, 124, s, dtype=torch.uint8, device=device, generator=g)
 
-    w = NVFP4MoEWeights.from_mxfp4(nibbles(E, 2 * I, H // 2), e8m0(E, 2 * I, H // 32), nibbles(E, H, I // 2), e8m0(E, H, I // 32))
+    return NVFP4MoEWeights.from_mxfp4(nibbles(E, 2 * I, H // 2), e8m0(E, 2 * I, H // 32), nibbles(E, H, I // 2),
+                                      e8m0(E, H, I // 32))
+
+
+def fp4_mode_arms(torch, shape, device, seed: int) -> dict:
+    """{act_quant: FP4MMAWeights} for the Blackwell FP4 modes, from random MXFP4 experts (E8M0
+    scales per 32, so both modes can run: mxfp8 needs E8M0-representable weight scales)."""
+    from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights
+
+    w = mxfp4_bench_weights(torch, shape, device, seed)
     return {mode: FP4MMAWeights.from_nvfp4(w, mxfp8=mode == "mxfp8") for mode in ("nvfp4", "mxfp8")}
+
+
+FLASHINFER_TOL = 2e-2  # SM90 W4A16: bf16, normwise, as marlin's (FlashInfer also rounds the GEMM1 output to bf16)
+# SM100 NVFP4 x NVFP4 (W4A4) against the W4A16 reference: the activations' quantization error
+# (~0.1 normwise here); a wrong activation gives errors of order 1.
+FLASHINFER_W4A4_TOL = 0.25
+
+
+def flashinfer_status(torch, shape, device) -> str | None:
+    """None when FlashInfer's SiTU MoE can be tried on this shape here, else "not available: why"
+    (k3nvfp4.sglang_ext.ab.flashinfer_arm.unavailable_reason: device, arch, shape, build)."""
+    from k3nvfp4.sglang_ext.ab.flashinfer_arm import unavailable_reason
+
+    why = unavailable_reason(device, torch.bfloat16, shape.H, shape.I, "situ", 25.0)
+    return None if why is None else f"not available: {why}"
+
+
+def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
+    """(FlashInferMoE, None) when FlashInfer's SiTU MoE (SM90 W4A16; SM100 NVFP4 x NVFP4) runs this
+    shape and its output at the check M (NaN-poisoned) is within tolerance of the reference on the
+    same MXFP4 experts; else (None, why). Its error is recorded either way: it is what tells
+    whether FlashInfer ran SiTU (FlashInfer issue 4597), never assumed."""
+    from k3nvfp4.kernels import fused_moe_nvfp4_reference
+    from k3nvfp4.kernels.tune import normwise_error
+    from k3nvfp4.sglang_ext.ab.flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights
+
+    why = flashinfer_status(torch, shape, device)
+    if why:
+        info["flashinfer"] = {"ok": False, "status": why}
+        return None, why
+    try:
+        t0 = time.monotonic()
+        w = mxfp4_bench_weights(torch, shape, device, seed)
+        fw = flashinfer_weights(w, device)
+        fi = FlashInferMoE(fw, "situ", 4.0, 25.0)
+        w4a16 = isinstance(fw, FlashInferMXFP4)
+        tol = FLASHINFER_TOL if w4a16 else FLASHINFER_W4A4_TOL
+        torch.cuda.synchronize()
+        prep_s = time.monotonic() - t0
+        xb = x.to(torch.bfloat16)
+        ref = fused_moe_nvfp4_reference(xb, w, tw, ids).float()
+        out = torch.full((x.shape[0], shape.H), float("nan"), dtype=torch.bfloat16, device=x.device)
+        fi(xb, tw, ids, out=out)
+        torch.cuda.synchronize()
+        err = normwise_error(out, ref)
+    except Exception as e:
+        info["flashinfer"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+        return None, f"not timed: {info['flashinfer']['error']}"
+    import flashinfer
+
+    info["flashinfer"] = {"M": x.shape[0], "normwise_error": err, "tol": tol, "ok": err <= tol,
+                          "path": "SM90 W4A16 (MXFP4 weights)" if w4a16 else "SM100 NVFP4 x NVFP4 (W4A4)",
+                          "bytes_key": "mxfp4" if w4a16 else "modelopt_nvfp4",
+                          "prepare_s": round(prep_s, 2), "version": flashinfer.__version__,
+                          "weights": "random MXFP4 experts (mxfp4_bench_weights), the reference on the same experts"}
+    if not err <= tol:
+        return None, (f"not timed: failed its check (normwise error {err:.3g} > {tol} vs the reference on "
+                      "the same MXFP4 experts; a wrong activation, FlashInfer issue 4597, would look like this)")
+    return fi, None
+
+
+def time_flashinfer(torch, fi, x, tw, ids, shape, M: int, timer, nbytes: int, no_graph: bool) -> dict:
+    """One FlashInfer call timed like ours (graph replay when capture works; the eager time too)."""
+    xb = x.to(torch.bfloat16)
+    out = torch.empty(M, shape.H, dtype=torch.bfloat16, device=x.device)
+    call = lambda: fi(xb, tw, ids, out=out)  # noqa: E731
+    t, n, t_eager, mode, why = time_call(torch, call, out, timer, use_graph=not no_graph, what="flashinfer")
+    res = {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "GBps": nbytes / t / 1e9,
+           "pct_bw": 100 * nbytes / t / (H200_BW_TBPS * 1e12), "bytes": nbytes}
+    if why:
+        res["graph_failure"] = why
+    return res
 
 
 def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, timer, no_graph: bool) -> dict:
@@ -369,29 +455,35 @@ def time_marlin(torch, marlin, x, tw, ids, shape, M: int, timer, nbytes: int, no
 
 
 def markdown_table(result: dict) -> str:
-    """One row per point: ours, marlin, bf16 and the ratios."""
+    """One row per point: ours, marlin, FlashInfer, bf16 and the ratios."""
     lines = [f"fused NVFP4 SiTU MoE on {result['device']} (torch {result['versions']['torch']}, triton "
              f"{result['versions']['triton']}); marlin: {result['other_implementations']['sglang_marlin_nvfp4']}", "",
              "| shape | M | triton_situ (us) | % of 4.8 TB/s | marlin (us) | marlin % of 4.8 TB/s "
-             "| speedup vs marlin (marlin us / ours) | bf16 grouped (us) | speedup vs bf16 (bf16 us / ours) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| speedup vs marlin (marlin us / ours) | flashinfer (us) | speedup vs flashinfer (flashinfer us / ours) "
+             "| bf16 grouped (us) | speedup vs bf16 (bf16 us / ours) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
-        o, m, b = p.get("ours") or {}, p.get("sglang_marlin_nvfp4"), p.get("bf16")
+        o, m, f, b = p.get("ours") or {}, p.get("sglang_marlin_nvfp4"), p.get("flashinfer"), p.get("bf16")
         mt = f"{m['time_us']:.1f}" if isinstance(m, dict) else "-"
         mp = f"{m['pct_bw']:.1f}" if isinstance(m, dict) else "-"
         lines.append(f"| {p['shape']} | {p['M']} | {o.get('time_us', float('nan')):.1f} | {o.get('pct_bw', float('nan')):.1f} "
                      f"| {mt} | {mp} | {('x%.2f' % p['x_vs_marlin']) if 'x_vs_marlin' in p else '-'} "
+                     f"| {('%.1f' % f['time_us']) if isinstance(f, dict) else '-'} "
+                     f"| {('x%.2f' % p['x_vs_flashinfer']) if 'x_vs_flashinfer' in p else '-'} "
                      f"| {('%.1f' % b['time_us']) if isinstance(b, dict) else '-'} "
                      f"| {('x%.2f' % p['speedup_vs_bf16']) if 'speedup_vs_bf16' in p else '-'} |")
-    notes = sorted({p["sglang_marlin_nvfp4"] for p in result["points"] if isinstance(p.get("sglang_marlin_nvfp4"), str)})
-    if notes:
-        lines += [""] + [f"marlin: {n}" for n in notes]
+    for peer, key in (("marlin", "sglang_marlin_nvfp4"), ("flashinfer", "flashinfer")):
+        notes = sorted({f"{p['shape']}: {p[key]}" if key == "flashinfer" else p[key]
+                        for p in result["points"] if isinstance(p.get(key), str)})
+        if notes:
+            lines += [""] + [f"{peer}: {n}" for n in notes]
     return "\n".join(lines)
 
 
 def bytes_moved(shape: "TuneShape", M: int, distinct: int, act_bytes: int = 2) -> dict:
     """Bytes one call reads and writes. "nvfp4": what the kernel-native layout reads (nibbles, one
     byte per 16-weight block scale, scale_2: the checkpoint's bytes); "modelopt_nvfp4": the same
-    in ModelOpt's tensors, what marlin reads; "bf16": the dequantized baseline."""
+    in ModelOpt's tensors, what marlin reads; "mxfp4": nibbles and one E8M0 byte per 32 weights,
+    what FlashInfer's W4A16 reads; "bf16": the dequantized baseline."""
     H, I = shape.H, shape.I
 
     def expert_bytes(scale_bytes: int) -> int:
@@ -403,6 +495,7 @@ def bytes_moved(shape: "TuneShape", M: int, distinct: int, act_bytes: int = 2) -
     return {
         "nvfp4": distinct * expert_bytes(1) + acts,
         "modelopt_nvfp4": distinct * expert_bytes(1) + acts,
+        "mxfp4": distinct * (2 * I * H // 2 + 2 * I * H // 32 + H * I // 2 + H * I // 32) + acts,
         "bf16": distinct * 3 * I * H * 2 + acts,
     }
 
@@ -467,8 +560,12 @@ def main(argv=None) -> int:
             "speedup_vs_bf16": "bf16 baseline time / our time (ours: time_us, graph replay when captured)",
             "x_vs_marlin": "SGLang marlin time / our time (both graph replay when captured): the issue's "
                            "triton_situ / marlin ratio, > 1 means triton_situ is faster",
+            "x_vs_flashinfer": "FlashInfer cutlass_fused_moe time / our time (SM90 W4A16 on MXFP4 experts, its bytes "
+                               "the MXFP4 ones, bytes_mxfp4; SM100 NVFP4 x NVFP4, bytes_modelopt), > 1 means "
+                               "triton_situ is faster",
         },
-        "other_implementations": {"triton_kernels": probe_triton_kernels(), "sglang_marlin_nvfp4": marlin_status},
+        "other_implementations": {"triton_kernels": probe_triton_kernels(), "sglang_marlin_nvfp4": marlin_status,
+                                  "flashinfer": {}},  # per shape: flashinfer_status
         "weights": "random NVFP4 (uniform E2M1 codes, E4M3 block scales with every mantissa, one scale_2 for "
                    "w1/w3 of an expert, as the K3 cast writes)",
         "shapes": {},
@@ -536,6 +633,13 @@ def main(argv=None) -> int:
                 failed = True
                 result["errors"].append(f"{name}: marlin: {marlin_skip}")
             print(f"   marlin: {info['marlin']}", flush=True)
+        if cpu:  # no CUDA device: reported without importing FlashInfer
+            fi, fi_skip = None, "not available: the FlashInfer arm runs on a CUDA GPU only (--device cpu)"
+            info["flashinfer"] = {"ok": False, "status": fi_skip}
+        else:
+            fi, fi_skip = flashinfer_arm(torch, shape, device, args.seed, x, tw, ids, info)
+        result["other_implementations"]["flashinfer"][name] = fi_skip or f"ok (flashinfer {info['flashinfer']['version']})"
+        print(f"   flashinfer: {info['flashinfer']}", flush=True)
 
         for M in m_list:
             if shape_deadline is not None and time.monotonic() > shape_deadline:
@@ -551,7 +655,8 @@ def main(argv=None) -> int:
                 nbytes = bytes_moved(shape, M, distinct, act_bytes=x.element_size())
                 flops = 2 * routes * 3 * shape.I * shape.H
                 cfg = get_moe_config(shape.E, shape.H, shape.I, shape.top_k, M, device_name=device_name)
-                point.update(valid_routes=routes, distinct_experts=distinct, bytes=nbytes["nvfp4"], bytes_modelopt=nbytes["modelopt_nvfp4"], flops=flops,
+                point.update(valid_routes=routes, distinct_experts=distinct, bytes=nbytes["nvfp4"], bytes_modelopt=nbytes["modelopt_nvfp4"],
+                             bytes_mxfp4=nbytes["mxfp4"], flops=flops,
                              config=cfg.to_dict())  # fmt: skip
                 out = torch.empty(M, shape.H, dtype=dtype, device=device)
                 ours = lambda: fused_moe_nvfp4(x, weights, tw, ids, out=out)  # noqa: E731
@@ -597,6 +702,15 @@ def main(argv=None) -> int:
                         failed = True
                         point["sglang_marlin_nvfp4"] = f"error: {type(e).__name__}: {str(e)[:400]}"
                         result["errors"].append(f"{name} M={M}: marlin: {point['sglang_marlin_nvfp4']}")
+                if fi is None:
+                    point["flashinfer"] = fi_skip
+                else:
+                    try:
+                        point["flashinfer"] = time_flashinfer(torch, fi, x, tw, ids, shape, M, timer,
+                                                              nbytes[info["flashinfer"]["bytes_key"]], args.no_graph)
+                        point["x_vs_flashinfer"] = point["flashinfer"]["time_us"] / ours_res["time_us"]
+                    except Exception as e:  # reported per point; our figures stand
+                        point["flashinfer"] = f"error: {type(e).__name__}: {str(e)[:400]}"
                 if fp4_weights is not None:
                     for act_quant, fw in fp4_weights.items():
                         try:
@@ -615,7 +729,9 @@ def main(argv=None) -> int:
                       + (f" | bf16 {point['bf16']['time_us']:9.1f} us x{point['speedup_vs_bf16']:.2f}"
                          if "speedup_vs_bf16" in point else "")
                       + (f" | marlin {mres['time_us']:9.1f} us x{point['x_vs_marlin']:.2f}"
-                         if "x_vs_marlin" in point else ""), flush=True)  # fmt: skip
+                         if "x_vs_marlin" in point else "")
+                      + (f" | flashinfer {point['flashinfer']['time_us']:9.1f} us x{point['x_vs_flashinfer']:.2f}"
+                         if "x_vs_flashinfer" in point else ""), flush=True)  # fmt: skip
             except Exception as e:
                 failed = True
                 point["error"] = f"{type(e).__name__}: {e}"
@@ -624,7 +740,7 @@ def main(argv=None) -> int:
                 if not cpu:
                     torch.cuda.synchronize()
             result["points"].append(point)
-        del weights, w13_bf16, w2_bf16, marlin, fp4_weights
+        del weights, w13_bf16, w2_bf16, marlin, fp4_weights, fi
         if not cpu:
             torch.cuda.empty_cache()
 

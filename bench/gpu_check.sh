@@ -14,7 +14,9 @@
 #   5. marlin_lib  SGLang's marlin MoE library (bench/peers/marlin, libk3marlin.so, built on the CPU machine
 #                with sglang + nvcc and CARRIED here: carry build/peers/marlin/lib): its build info (nvcc
 #                version, arch), CUDA driver/runtime, exports, argument checks. --cpu-rehearsal builds it first.
-#   5b. bench    bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR), marlin arm included
+#   5b. bench    bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR), marlin arm included, and
+#                FlashInfer's SiTU MoE where it runs (SM90 W4A16 on ep16; not available with the reason otherwise:
+#                not installed, its MoE module not prebuilt - no JIT build inside this step's limit)
 #   5c. graph    bench/bench_graph.py: launches per call, CUDA-graph capture + replay at M = 1..64 on TP16/EP16,
 #                replay == eager, replay time per call (target <= 15 us at M = 1 on TP16)
 #   6. sass      bench/sass_report.py for the installed Triton (offline compile, no GPU needed): the static
@@ -123,6 +125,8 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
     summary["targets"] = r.get("targets", [])
     summary["bench_marlin"] = {"status": r.get("other_implementations", {}).get("sglang_marlin_nvfp4"),
                                "checks": {k: v.get("marlin") for k, v in r.get("shapes", {}).items()}}
+    summary["bench_flashinfer"] = {"status": r.get("other_implementations", {}).get("flashinfer"),
+                                   "checks": {k: v.get("flashinfer") for k, v in r.get("shapes", {}).items()}}
     on_gpu = "cpu" not in str(r.get("device", "")).lower()
 
     def fig(v, nd):  # a rounded figure, or None where there is none (no GPU: CPU wall clock is no figure)
@@ -131,11 +135,14 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
     for pt in r.get("points", []):
         o = pt.get("ours", {})
         m = pt.get("sglang_marlin_nvfp4")
+        f = pt.get("flashinfer")
         head.append({"shape": pt["shape"], "M": pt["M"], "us": fig(o.get("time_us"), 1),
                      "pct_bw": fig(o.get("pct_bw"), 1), "TFLOPs": fig(o.get("TFLOPs"), 1),
                      "speedup_vs_bf16": fig(pt.get("speedup_vs_bf16"), 2), "error": pt.get("error"),
                      "marlin_us": fig(m["time_us"], 1) if isinstance(m, dict) else None,
-                     "speedup_vs_marlin": fig(pt.get("x_vs_marlin"), 2)})
+                     "speedup_vs_marlin": fig(pt.get("x_vs_marlin"), 2),
+                     "flashinfer_us": fig(f["time_us"], 1) if isinstance(f, dict) else None,
+                     "speedup_vs_flashinfer": fig(pt.get("x_vs_flashinfer"), 2)})
 gp = os.path.join(out, "graph.json")
 if os.path.exists(gp):
     g = json.load(open(gp))
@@ -176,6 +183,8 @@ for h in head:
           + (f" (model predicts {h['predicted_us']} us)" if h.get("predicted_us") else "")
           + (f" | marlin {na(h['marlin_us'], ' us')}, speedup vs marlin {na(h['speedup_vs_marlin'])}"
              if h.get("marlin_us") is not None or h.get("speedup_vs_marlin") is not None else "")
+          + (f" | flashinfer {na(h['flashinfer_us'], ' us')}, speedup vs flashinfer {na(h['speedup_vs_flashinfer'])}"
+             if h.get("flashinfer_us") is not None or h.get("speedup_vs_flashinfer") is not None else "")
           + (f"  ERROR {h['error']}" if h["error"] else ""))
 for t in summary.get("targets", []):
     print(f"target {t['target']}: {t['verdict']} ({t['measured']})")
@@ -188,6 +197,11 @@ if summary.get("marlin_lib"):
     print("marlin library:", summary["marlin_lib"])
 if summary.get("bench_marlin"):
     print("marlin arm:", summary["bench_marlin"]["status"])
+if summary.get("bench_flashinfer"):
+    print("flashinfer arm:", summary["bench_flashinfer"]["status"])
+    for k, v in (summary["bench_flashinfer"]["checks"] or {}).items():
+        if isinstance(v, dict) and "normwise_error" in v:
+            print(f"flashinfer check {k}: normwise error {v['normwise_error']:.3g} vs the reference (tol {v['tol']})")
 if summary.get("measured_ceilings"):
     print("measured ceilings:", summary["measured_ceilings"])
 PYEOF

@@ -82,12 +82,16 @@ def test_layer_ab_cpu_reference_triton_marlin_unavailable(tmp_path):
                         top_k=2, tokens=16, seed=0)
     rep = run_layer_ab(cfg)
     names = [a.name for a in rep.arms]
-    assert names == ["reference", "triton_situ", "marlin"]
+    assert names == ["reference", "triton_situ", "marlin", "flashinfer"]
     assert rep.arm("reference").ok and rep.arm("triton_situ").ok
     marlin = rep.arm("marlin")
     if not torch.cuda.is_available():
         assert marlin.status.startswith("not available: no CUDA device (device cpu, torch.cuda.is_available() = False)")
     assert not marlin.ok and marlin.output_rms is None and not marlin.times_ms
+    flashinfer = rep.arm("flashinfer")
+    if not torch.cuda.is_available():
+        assert flashinfer.status.startswith("not available: no CUDA device (device cpu")
+    assert not flashinfer.ok and flashinfer.output_rms is None
     assert len(rep.arm("triton_situ").times_ms) == 1
     # No arm substituted: marlin appears in no pair; the one pair is triton_situ vs reference.
     assert [(p.a, p.b) for p in rep.pairs] == [("triton_situ", "reference")]
@@ -99,6 +103,7 @@ def test_layer_ab_cpu_reference_triton_marlin_unavailable(tmp_path):
 
     rj = json.loads((tmp_path / "report.json").read_text())
     assert [a["status"] for a in rj["arms"]][:2] == ["ok", "ok"] and rj["arms"][2]["status"] == marlin.status
+    assert rj["arms"][3]["status"] == flashinfer.status
     assert rj["pairs"][0]["rel_err"] == pytest.approx(p.rel_err) and rj["setup"]["tokens"] == 16
     md = (tmp_path / "summary.md").read_text()
     assert "| marlin | not available: " in md and "| triton_situ | reference |" in md
@@ -206,9 +211,10 @@ def test_layer_ab_on_the_mxfp4_release(tmp_path):
                                     num_shards=1, top_k=2)
     rep = run_layer_ab(LayerABConfig(out_dir=tmp_path / "o", ckpt=mx, layer=1, tokens=8, dtype="float32"))
     assert rep.setup["source_format"] == "mxfp4"
-    assert [a.name for a in rep.arms] == ["reference", "triton_situ", "triton_situ_cast", "marlin"]
+    assert [a.name for a in rep.arms] == ["reference", "triton_situ", "triton_situ_cast", "marlin", "flashinfer"]
     assert all(rep.arm(n).ok for n in ("reference", "triton_situ", "triton_situ_cast"))
     assert rep.arm("marlin").status.startswith("not available")
+    assert rep.arm("flashinfer").status.startswith("not available")
     assert any("read directly" in n for n in rep.arm("triton_situ").notes)
     same = rep.pair("triton_situ", "triton_situ_cast")
     assert same.max_abs_err == 0.0 and same.exact_match == 1.0
@@ -261,6 +267,26 @@ def test_layer_ab_on_gpu_all_arms(tmp_path):
     if marlin.ok:  # marlin also rounds the GEMM1 output to bf16 before SiTU: a little more error
         assert rep.pair("marlin", "reference").rel_err < 2e-2
         assert rep.pair("triton_situ", "marlin") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layer_ab_flashinfer_arm_on_gpu(tmp_path):
+    """On an MXFP4 layer with H, I multiples of 128: FlashInfer runs (SM90, flashinfer installed and
+    its MoE module built) or says why not; when it runs, its error against the reference is in the
+    report (whether it computed SiTU is what that number tells: FlashInfer issue 4597)."""
+    from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
+
+    mx = write_synthetic_checkpoint(tmp_path / "mx", num_layers=2, num_experts=8, hidden_size=256,
+                                    intermediate_size=128, num_shards=1, top_k=4)
+    rep = run_layer_ab(LayerABConfig(out_dir=tmp_path / "o", ckpt=mx, layer=1, tokens=32, device="cuda",
+                                     arms=("reference", "triton_situ", "flashinfer")))
+    fi = rep.arm("flashinfer")
+    assert fi.ok or fi.status.startswith("not available: "), fi.status
+    if fi.ok:
+        p = rep.pair("flashinfer", "reference")
+        assert p is not None and math.isfinite(p.rel_err) and rep.pair("triton_situ", "flashinfer") is not None
+        print(f"flashinfer vs reference: rel err {p.rel_err:.3e}, cosine {p.cosine:.6f}")
 
 
 def test_layer_ab_float32_is_an_exactness_check(tmp_path):

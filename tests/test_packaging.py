@@ -63,7 +63,13 @@ def test_wheel_build_prints_no_project_warning(built_wheel):
             if f.is_file() and f.suffix in (".py", ".json", ".jsonl") and "__pycache__" not in f.parts:
                 assert f"k3nvfp4/{f.relative_to(REPO).as_posix()}" in names, f"{f.relative_to(REPO)} missing from the wheel"
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
-    assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
+    meta = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "License-Expression: Apache-2.0" in meta
+    # The serve A/B's HTTP client is declared where it is needed, not in the core install.
+    httpx_extras = sorted(line.split('extra == "')[1].rstrip('"') for line in meta.splitlines()
+                          if line.startswith("Requires-Dist: httpx") and 'extra == "' in line)
+    assert httpx_extras == ["ab", "sglang", "test"], httpx_extras
+    assert not any(line.startswith("Requires-Dist: httpx") and "extra ==" not in line for line in meta.splitlines())
 
 
 def test_installed_wheel_imports_every_module_and_runs_the_fp4_arms(built_wheel, tmp_path):

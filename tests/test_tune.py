@@ -326,6 +326,12 @@ def test_bench_moe_smoke(tmp_path):
     assert point["flops"] == 2 * point["valid_routes"] * 3 * I * H
     assert point["ours"]["time_us"] > 0 and point["bf16"]["impl"] == "torch._grouped_mm"
     assert result["other_implementations"]["sglang_marlin_nvfp4"].startswith("not available")
+    # FlashInfer's MoE (SM90 W4A16, MXFP4): H = 48 is no multiple of 128, and without CUDA it does not run.
+    fi = result["other_implementations"]["flashinfer"]["tiny-ep"]
+    assert fi.startswith("not available: ") and point["flashinfer"] == fi and "x_vs_flashinfer" not in point
+    if device == "cpu":
+        assert fi == "not available: the FlashInfer arm runs on a CUDA GPU only (--device cpu)"
+    assert point["bytes_mxfp4"] == point["distinct_experts"] * (2 * I * H // 2 + 2 * I * H // 32 + H * I // 2 + H * I // 32) + acts
 
 
 def test_tuner_never_writes_into_the_installed_package(tmp_path, monkeypatch):

@@ -32,7 +32,8 @@ def _pow2_exponent(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (v > 0) & (mant == 0.5), (exp - 1).to(torch.int32)
 
 
-def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, name: str) -> torch.Tensor:
+def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, name: str, *,
+                 use: str = "act_quant='mxfp8'") -> torch.Tensor:
     """E8M0 bytes per 32 of an NVFP4 matrix set that is exactly MXFP4.
 
     packed uint8 [E, N, K/2]; scale float8_e4m3fn [E, N, K/16]; scale_2 float32 [E, N] (the scale_2
@@ -40,7 +41,8 @@ def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
     same power of two 2^j (a 16-half that is zero - nibbles all +-0 or scale 0 - may carry any
     scale) and scale_2 must be a power of two 2^m; the byte is j + m + 127, which must lie in
     [1, 254] (0 would be decoded as 0 by Triton 3.8). Blocks that are zero throughout get byte 127.
-    Returns uint8 [E, N, K/32]; raises E8M0RecoveryError naming ``name`` and the first bad block.
+    Returns uint8 [E, N, K/32]; raises E8M0RecoveryError naming ``name``, the first bad block and
+    ``use`` (what needs the MXFP4 weights: act_quant='mxfp8', or another consumer of them).
     """
     E, N, half_k = packed.shape
     K = half_k * 2
@@ -51,7 +53,7 @@ def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
         bad = torch.nonzero(~s2_ok)[0].tolist()
         raise E8M0RecoveryError(
             f"{name}: weight_scale_2 {float(scale_2[tuple(bad)]):.9g} (expert {bad[0]}) is not a power of two, "
-            "so its blocks have no E8M0 scale; act_quant='mxfp8' needs a checkpoint cast bit-exactly from MXFP4"
+            f"so its blocks have no E8M0 scale; {use} needs a checkpoint cast bit-exactly from MXFP4"
         )
     if packed.device.type == "cpu" and scale.device.type == "cpu":
         fast = layout_host.e8m0_from_pow2_e4m3(packed.contiguous().numpy(), scale.contiguous().view(torch.uint8).numpy(),
@@ -74,7 +76,7 @@ def recover_e8m0(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
         e, n, b, why = first
         raise E8M0RecoveryError(
             f"{name}: {bad_total} block(s) are not exact MXFP4; first at expert {e}, row {n}, 32-block {b} "
-            f"(elements {32 * b}..{32 * b + 31}): {why}. act_quant='mxfp8' is refused for this matrix"
+            f"(elements {32 * b}..{32 * b + 31}): {why}. {use} is refused for this matrix"
         )
     return torch.cat(out) if len(out) > 1 else out[0]
 

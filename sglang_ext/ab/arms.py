@@ -19,6 +19,12 @@ reason. An unavailable arm is reported as such and never replaced by another one
                clamp_limit = linear beta). For an MXFP4 layer marlin gets the cast's NVFP4
                tensors (SGLang's NVFP4 marlin; the release itself is served by its MXFP4
                marlin path, with the same values for every block inside the cast's window).
+- flashinfer:  FlashInfer's fused MoE with SiTU (flashinfer_arm.py): on SM90 cutlass_fused_moe W4A16
+               with the layer's experts as MXFP4 (recovered exactly from its NVFP4 tensors, which
+               needs MXFP4-exact experts: the release or its cast), H and I multiples of 128 (the
+               K3 EP shards); on SM100/SM103 cutlass_fused_moe NVFP4 x NVFP4 (W4A4) on the NVFP4
+               experts; elsewhere "not available: <reason>". Its error against the reference is
+               how a user sees whether FlashInfer ran SiTU (FlashInfer issue 4597).
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ if TYPE_CHECKING:
     from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
 FP4_MODE_ARMS = {"triton_situ:nvfp4": "nvfp4", "triton_situ:mxfp8": "mxfp8"}
-ARM_NAMES = ("reference", "triton_situ", "triton_situ_cast", *FP4_MODE_ARMS, "marlin")
-DEFAULT_ARMS = ("reference", "triton_situ", "marlin")  # + triton_situ_cast for MXFP4 layers
+ARM_NAMES = ("reference", "triton_situ", "triton_situ_cast", *FP4_MODE_ARMS, "marlin", "flashinfer")
+DEFAULT_ARMS = ("reference", "triton_situ", "marlin", "flashinfer")  # + triton_situ_cast for MXFP4 layers
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -179,6 +185,38 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
     return run, notes
 
 
+def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+    """FlashInfer's SiTU MoE (flashinfer_arm): SM90 W4A16 on the experts as MXFP4, SM100 NVFP4 x NVFP4 on
+    them as they are; where it cannot run, or the experts do not have the form it takes,
+    ArmUnavailable with the reason."""
+    from k3nvfp4.kernels.moe_fp4_details.weights import E8M0RecoveryError
+
+    from .flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights, unavailable_reason
+
+    w = ex.weights
+    reason = unavailable_reason(device, dtype, w.hidden_size, w.intermediate_size, ex.hidden_act, ex.situ_linear_beta)
+    if reason:
+        raise ArmUnavailable(reason)
+    try:
+        fw = flashinfer_weights(w, device)
+    except E8M0RecoveryError as e:
+        raise ArmUnavailable(f"the experts are not exactly MXFP4 ({e})") from None
+    except ValueError as e:
+        raise ArmUnavailable(str(e)) from None
+    run = FlashInferMoE(fw, ex.hidden_act, ex.situ_beta, ex.situ_linear_beta, ex.routed_scaling_factor)
+    import flashinfer
+
+    if isinstance(fw, FlashInferMXFP4):
+        path = ("cutlass_fused_moe W4A16 (SM90): the layer's experts as MXFP4 (E8M0 per 32 recovered exactly from "
+                "the NVFP4 tensors), bf16 activations")
+    else:
+        path = ("cutlass_fused_moe NVFP4 x NVFP4 (SM100, W4A4): the layer's NVFP4 experts, activations quantized to "
+                "NVFP4 by FlashInfer (global scale 448*6/amax(x) per call); compare with triton_situ:nvfp4")
+    act = ("ActivationType.Situ with per-expert situ_beta / situ_linear_beta; whether it ran SiTU is its error "
+           "against the reference (FlashInfer issue 4597)" if ex.hidden_act == "situ" else "SwiGLU (SiLU)")
+    return (lambda x, tw, ids: run(x, tw, ids)), [f"flashinfer {flashinfer.__version__} {path}; {act}"]
+
+
 def build_arm(name: str, ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
     """Callable and notes of arm `name`; raises ArmUnavailable (reason) or ValueError (unknown name)."""
     if name == "reference":
@@ -191,4 +229,6 @@ def build_arm(name: str, ex: NVFP4MoELayer, device: torch.device, dtype: torch.d
         return build_triton_situ_fp4(ex, device, dtype, FP4_MODE_ARMS[name])
     if name == "marlin":
         return build_marlin(ex, device, dtype)
+    if name == "flashinfer":
+        return build_flashinfer(ex, device, dtype)
     raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES)}")

@@ -25,7 +25,7 @@ def _arm(s: str) -> tuple[str, str]:
 
 
 def _add_layer(sub) -> None:
-    p = sub.add_parser("layer", formatter_class=HelpFormatter, help="layer-level A/B of one MoE layer (reference, triton_situ, marlin)",
+    p = sub.add_parser("layer", formatter_class=HelpFormatter, help="layer-level A/B of one MoE layer (reference, triton_situ, marlin, flashinfer)",
                        description="Run one NVFP4 MoE layer through every arm on the same routed inputs and "
                                    "compare outputs. Arms that cannot run are reported 'not available: <reason>'.")
     src = p.add_mutually_exclusive_group(required=True)
@@ -44,8 +44,8 @@ def _add_layer(sub) -> None:
                    help="activation dtype; float32 is an exactness check of triton_situ vs the reference "
                         "(fp32 dots; marlin runs 16-bit activations only)")
     p.add_argument("--arms", default=None,
-                   help="comma list of arms to try (default reference,triton_situ,marlin; with an MXFP4 --ckpt also "
-                        "triton_situ_cast: the same kernels on the cast of those experts)")
+                   help="comma list of arms to try (default reference,triton_situ,marlin,flashinfer; with an MXFP4 --ckpt "
+                        "also triton_situ_cast: the same kernels on the cast of those experts)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per arm (default 5 on GPU, 1 on CPU)")
     p.add_argument("--out", type=Path, required=True, help="output directory (report.json, summary.md, PNGs)")

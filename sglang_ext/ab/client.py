@@ -1,19 +1,49 @@
-"""Minimal OpenAI chat-completions client on the standard library only.
+"""OpenAI chat-completions client of the server A/B, on ``httpx`` (async).
 
-Non-streaming requests, retries with exponential backoff on connection errors, timeouts and
-HTTP 5xx; no retry on 4xx or on a malformed 200 (retrying would not change them)."""
+Why httpx and not the ``openai`` client (both come with SGLang's install): the A/B's retry rule
+is "connection errors, timeouts and HTTP 5xx, with a wait of ``--backoff`` doubled each retry;
+never a 4xx or a malformed 200". openai's built-in retries also retry 408, 409 and 429 (4xx) and
+wait its own jittered 0.5 s .. 8 s (or the server's Retry-After); neither is configurable short of
+``max_retries=0``, which leaves the loop to us anyway. Its typed responses also tuck SGLang's
+extras (``reasoning_content``) away in ``model_extra``. httpx gives what a client must not
+hand-roll: connection pooling with a bound per arm (``httpx.Limits``), per-operation timeouts
+(connect / read / write, as urllib's socket timeout was), HTTP/1.1 keep-alive, async requests
+that are cancelled cleanly when the run stops, and ``httpx.MockTransport`` for tests. httpx
+retries nothing by itself (its transport's ``retries=`` redoes failed connects without our
+backoff, so it is not used); the retry policy below is the A/B's own rule, a dozen lines.
+
+Semantics (unchanged from the urllib client): non-streaming requests; ``timeout_s`` bounds each
+network operation (connect, each read, each write), which for a non-streaming completion is the
+wait for the answer; retries: extra attempts after the first, the wait before attempt n+1 is
+``backoff_s * 2**(n-1)``; errors are :mod:`.errors` types whose messages name the arm and URL.
+
+httpx is imported on first use, so the CLI imports without it and ``serve`` says which package
+is missing (``pip install 'kimi-k3-nvfp4[ab]'``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import socket
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import EndpointDown, EndpointTimeout, MalformedResponse, ServerError
+from .errors import ABError, EndpointDown, EndpointTimeout, MalformedResponse, ServerError
+
+if TYPE_CHECKING:
+    import httpx
+
+INSTALL_HINT = "pip install 'kimi-k3-nvfp4[ab]' (or pip install httpx)"
+
+
+def _httpx():
+    """The httpx module, or a one-line ABError naming the missing package."""
+    try:
+        import httpx
+    except ImportError:
+        raise ABError(f"the serve A/B needs the httpx package, which is not installed: {INSTALL_HINT}") from None
+    return httpx
 
 
 def normalize_base_url(url: str) -> str:
@@ -44,10 +74,12 @@ class Completion:
     finish_reason: str | None
     tokens: list[TokenLogprob] | None  # None when the server returned no logprobs
     completion_tokens: int | None
-    latency_s: float
+    latency_s: float  # from the first attempt's start to the parsed answer (retry waits included)
+    prompt_tokens: int | None = None  # the server's usage.prompt_tokens
+    attempts: int = 1  # HTTP attempts this answer took (1 = no retry)
 
 
-def parse_completion(body: Any, *, where: str, latency_s: float = 0.0) -> Completion:
+def parse_completion(body: Any, *, where: str, latency_s: float = 0.0, attempts: int = 1) -> Completion:
     """Validate a decoded chat-completion body and extract choices[0]. Raises MalformedResponse."""
     if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
         keys = sorted(body) if isinstance(body, dict) else type(body).__name__
@@ -74,77 +106,113 @@ def parse_completion(body: Any, *, where: str, latency_s: float = 0.0) -> Comple
         tokens=tokens,
         completion_tokens=usage.get("completion_tokens"),
         latency_s=latency_s,
+        prompt_tokens=usage.get("prompt_tokens"),
+        attempts=attempts,
     )
+
+
+@dataclass
+class _Answer:
+    body: Any
+    attempts: int
 
 
 class ChatClient:
     """Client of one OpenAI-compatible server (one A/B arm).
 
-    retries: extra attempts after the first; the wait before attempt n+1 is backoff_s * 2**n.
+    retries: extra attempts after the first; the wait before attempt n+1 is backoff_s * 2**(n-1).
+    transport: an httpx async transport to use instead of the network (tests: httpx.MockTransport).
+    The async methods take an ``httpx.AsyncClient`` from :meth:`session` (one per arm and run, so
+    connections are reused); :meth:`chat` and :meth:`models` are one-off synchronous calls.
     """
 
     def __init__(self, name: str, base_url: str, *, timeout_s: float = 3600.0, retries: int = 3,
-                 backoff_s: float = 1.0) -> None:
+                 backoff_s: float = 1.0, transport: "httpx.AsyncBaseTransport | None" = None) -> None:
         self.name = name
         self.base_url = normalize_base_url(base_url)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.transport = transport
 
-    def _request(self, method: str, path: str, payload: dict | None = None) -> Any:
-        url = self.base_url + path
-        where = f"arm '{self.name}' ({url})"
-        data = None if payload is None else json.dumps(payload).encode()
-        last: Exception | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            req = urllib.request.Request(url, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    raw = resp.read()
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:300].decode(errors="replace")
-                if 500 <= e.code < 600:
-                    last = ServerError(f"{where}: HTTP {e.code} after {attempt + 1} attempt(s): {detail}")
-                    continue
-                raise ServerError(f"{where}: HTTP {e.code}: {detail}") from None
-            except (TimeoutError, socket.timeout):
-                last = self._timeout(where, attempt)
-                continue
-            except urllib.error.URLError as e:
-                if isinstance(e.reason, (TimeoutError, socket.timeout)):
-                    last = self._timeout(where, attempt)
-                else:
-                    last = EndpointDown(f"{where}: cannot connect ({e.reason}) after {attempt + 1} "
-                                        "attempt(s); is the server running?")
-                continue
-            except (ConnectionError, OSError) as e:  # reset / refused raised outside URLError
-                last = EndpointDown(f"{where}: connection failed ({e!r}) after {attempt + 1} attempt(s)")
-                continue
-            try:
-                return json.loads(raw)
-            except ValueError:
-                snippet = raw[:200].decode(errors="replace")
-                raise MalformedResponse(f"{where}: response is not JSON: {snippet!r}") from None
-        assert last is not None
-        raise last
+    def session(self, concurrency: int = 1) -> "httpx.AsyncClient":
+        """An ``httpx.AsyncClient`` for this arm with at most ``concurrency`` connections.
+
+        Timeouts: ``timeout_s`` for connect, each read and each write; none for waiting on a free
+        connection of the pool (the caller bounds requests in flight to the pool's size, so a
+        request queued behind others is not charged their time)."""
+        httpx = _httpx()
+        n = max(1, concurrency)
+        return httpx.AsyncClient(
+            base_url=self.base_url, transport=self.transport, follow_redirects=True,  # as urllib did
+            timeout=httpx.Timeout(self.timeout_s, pool=None),
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            headers={"Content-Type": "application/json"},
+        )
 
     def _timeout(self, where: str, attempt: int) -> EndpointTimeout:
         return EndpointTimeout(f"{where}: no answer within --timeout {self.timeout_s:g} s ({attempt + 1} attempt(s))")
 
-    def models(self) -> list[str]:
+    async def request(self, http: "httpx.AsyncClient", method: str, path: str, payload: dict | None = None) -> _Answer:
+        """One API call with the retry rule: connection errors, timeouts and 5xx are retried after
+        the backoff; a 4xx (any non-5xx error status) and a 200 that is not JSON raise at once."""
+        httpx = _httpx()
+        url = self.base_url + path
+        where = f"arm '{self.name}' ({url})"
+        content = None if payload is None else json.dumps(payload).encode()
+        last: ABError | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = await http.request(method, path, content=content)
+            except httpx.TimeoutException:  # connect, read, write (no pool timeout: see session)
+                last = self._timeout(where, attempt)
+                continue
+            except httpx.ConnectError as e:
+                last = EndpointDown(f"{where}: cannot connect ({e}) after {attempt + 1} attempt(s); "
+                                    "is the server running?")
+                continue
+            except httpx.TransportError as e:  # reset / closed mid-answer, protocol errors
+                last = EndpointDown(f"{where}: connection failed ({type(e).__name__}: {e}) after {attempt + 1} attempt(s)")
+                continue
+            if resp.status_code >= 300:
+                detail = resp.content[:300].decode(errors="replace")
+                if 500 <= resp.status_code < 600:
+                    last = ServerError(f"{where}: HTTP {resp.status_code} after {attempt + 1} attempt(s): {detail}")
+                    continue
+                raise ServerError(f"{where}: HTTP {resp.status_code}: {detail}")
+            try:
+                return _Answer(json.loads(resp.content), attempt + 1)
+            except ValueError:
+                snippet = resp.content[:200].decode(errors="replace")
+                raise MalformedResponse(f"{where}: response is not JSON: {snippet!r}") from None
+        assert last is not None
+        raise last
+
+    async def amodels(self, http: "httpx.AsyncClient") -> list[str]:
         """GET /v1/models -> served model ids (also a reachability check)."""
-        body = self._request("GET", "/v1/models")
+        body = (await self.request(http, "GET", "/v1/models")).body
         try:
             return [str(m["id"]) for m in body["data"]]
         except (KeyError, TypeError):
             raise MalformedResponse(f"arm '{self.name}' ({self.base_url}/v1/models): no 'data' list of models") from None
 
-    def chat(self, payload: dict) -> Completion:
+    async def achat(self, http: "httpx.AsyncClient", payload: dict) -> Completion:
         """POST /v1/chat/completions (non-streaming) and parse choices[0]."""
         t0 = time.perf_counter()
-        body = self._request("POST", "/v1/chat/completions", dict(payload, stream=False))
-        return parse_completion(body, where=f"arm '{self.name}' ({self.base_url}/v1/chat/completions)",
-                                latency_s=time.perf_counter() - t0)
+        ans = await self.request(http, "POST", "/v1/chat/completions", dict(payload, stream=False))
+        return parse_completion(ans.body, where=f"arm '{self.name}' ({self.base_url}/v1/chat/completions)",
+                                latency_s=time.perf_counter() - t0, attempts=ans.attempts)
+
+    async def _once(self, method: str, *args):
+        async with self.session() as http:
+            return await getattr(self, method)(http, *args)
+
+    def models(self) -> list[str]:
+        """Synchronous :meth:`amodels` on a session of its own."""
+        return asyncio.run(self._once("amodels"))
+
+    def chat(self, payload: dict) -> Completion:
+        """Synchronous :meth:`achat` on a session of its own."""
+        return asyncio.run(self._once("achat", payload))

@@ -1,9 +1,9 @@
 """Layer-level A/B: one MoE layer (NVFP4, or the MXFP4 release read directly) through every arm on
 the same routed inputs.
 
-The plain-torch reference always runs; triton_situ and marlin run where they can and are
-otherwise reported "not available: <reason>". Pairs compared: every available arm against
-the reference, and triton_situ against marlin. Outputs: report.json, summary.md,
+The plain-torch reference always runs; triton_situ, marlin and flashinfer run where they can and
+are otherwise reported "not available: <reason>". Pairs compared: every available arm against
+the reference, and triton_situ against marlin and against flashinfer. Outputs: report.json, summary.md,
 error_hist.png, per_expert_error.png in the output directory.
 """
 
@@ -28,8 +28,9 @@ from .metrics import PairMetrics, compare_outputs
 from .report import fmt, markdown_table, write_json
 
 PAIRS = (("triton_situ", "reference"), ("triton_situ_cast", "reference"), ("triton_situ:nvfp4", "reference"),
-         ("triton_situ:mxfp8", "reference"), ("marlin", "reference"), ("triton_situ", "triton_situ_cast"),
-         ("triton_situ:nvfp4", "triton_situ"), ("triton_situ:mxfp8", "triton_situ"), ("triton_situ", "marlin"))
+         ("triton_situ:mxfp8", "reference"), ("marlin", "reference"), ("flashinfer", "reference"),
+         ("triton_situ", "triton_situ_cast"), ("triton_situ:nvfp4", "triton_situ"), ("triton_situ:mxfp8", "triton_situ"),
+         ("triton_situ", "marlin"), ("triton_situ", "flashinfer"))
 
 
 @dataclass

@@ -15,13 +15,15 @@ missing (arm, seed, prompt).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import asyncio
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...common.files import write_text_atomic
+from ...common.progress import progress_bar
 from . import plots
 from .client import ChatClient, Completion
 from .datasets import load_prompt_set
@@ -144,28 +146,57 @@ def _payload(cfg: ServeConfig, model: str, prompt: Prompt, seed: int) -> dict:
 
 def _run_all(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progress: bool,
              out: dict[tuple, Completion]) -> None:
-    """Run every request into ``out`` (key -> Completion); the first environment error cancels
-    the rest and is raised, with ``out`` holding the requests answered until then."""
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    """Run every request into ``out`` (key -> Completion), at most ``concurrency`` in flight in
+    all (both arms together, started in ``jobs`` order, as the thread pool of the urllib client
+    did: the servers see the same batches); the first environment error cancels the rest (queued
+    and in flight) and is raised, with ``out`` holding the requests answered until then.
+    Progress: requests done, and per arm requests/s and output tokens/s (the servers'
+    usage.completion_tokens)."""
+    asyncio.run(_run_all_async(jobs, concurrency, progress, out))
 
-        bar = tqdm(total=len(jobs), desc="requests", unit="req")
-    pool = cf.ThreadPoolExecutor(max_workers=max(1, concurrency))
-    failed = False
-    futs = {pool.submit(c.chat, payload): key for c, payload, key in jobs}
-    try:
-        for f in cf.as_completed(futs):
-            out[futs[f]] = f.result()
-            if bar:
-                bar.update(1)
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # On failure report at once: queued requests are dropped, in-flight ones end by --timeout.
-        pool.shutdown(wait=not failed, cancel_futures=True)
-        if bar:
+
+class _ArmRates:
+    """Per-arm counts since the run started, as the progress bar's postfix."""
+
+    def __init__(self, arms: list[str]) -> None:
+        self.t0 = time.perf_counter()
+        self.done = dict.fromkeys(arms, 0)
+        self.tokens = dict.fromkeys(arms, 0)
+
+    def add(self, arm: str, comp: Completion) -> str:
+        self.done[arm] += 1
+        self.tokens[arm] += comp.completion_tokens or 0
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        return " | ".join(f"{a} {self.done[a] / dt:.2f} req/s {self.tokens[a] / dt:.1f} tok/s" for a in self.done)
+
+
+async def _run_all_async(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progress: bool,
+                         out: dict[tuple, Completion]) -> None:
+    clients = list({id(c): c for c, _, _ in jobs}.values())
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = {id(c): await stack.enter_async_context(c.session(concurrency)) for c in clients}
+        slots = asyncio.Semaphore(max(1, concurrency))  # FIFO: requests start in jobs order
+        # bars=False: plain status lines (LogProgress), as the cast and the tuner print without a terminal.
+        bar = progress_bar(len(jobs), "requests", bars=progress, unit="req")
+        rates = _ArmRates([c.name for c in clients])
+
+        async def one(client: ChatClient, payload: dict, key: tuple) -> None:
+            async with slots:
+                comp = await client.achat(sessions[id(client)], payload)
+            out[key] = comp
+            bar.set_postfix_str(rates.add(client.name, comp), refresh=False)
+            bar.update(1)
+
+        tasks = [asyncio.ensure_future(one(c, payload, key)) for c, payload, key in jobs]
+        try:
+            for fut in asyncio.as_completed(tasks):
+                await fut  # the first failure raises here
+        finally:
+            # On failure report at once: queued and in-flight requests are cancelled (their
+            # connections closed), not waited for.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             bar.close()
 
 
