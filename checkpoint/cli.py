@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _raise_terminated(signum, frame) -> None:
     from .ranks import Terminated
 
+    if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        return  # already stopping (torchrun follows its SIGINT with a SIGTERM): keep the first reason
     raise Terminated()
 
 

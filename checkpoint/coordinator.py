@@ -6,13 +6,14 @@ larger world. Its main thread never blocks inside a collective; a heartbeat thre
 talking, one *round* at most every ``heartbeat_s`` seconds (sooner when this rank has something
 new to say):
 
-1. a token to and from every other rank (gloo ``isend`` / ``irecv`` on a group whose
-   timeout is ``rank_timeout_s``). A rank that was killed closes its connections and every
-   survivor's receive from it fails at once; a rank that stopped answering (a frozen or
-   unplugged node) fails it after ``rank_timeout_s``. Either way each survivor knows *which*
-   rank is gone, from its own failed receive;
-2. ``all_gather_object`` of every rank's status: the step it waits at with its payload
-   (:meth:`GlooCoordinator.exchange`), or its one-line error (:meth:`GlooCoordinator.fail`).
+every rank sends its status (pickled: the step it waits at with its payload, see
+:meth:`GlooCoordinator.exchange`, or its one-line error, :meth:`GlooCoordinator.fail`) to every
+other rank and receives theirs: an all-gather made of gloo ``isend`` / ``irecv`` pairs, each
+wait bounded by ``rank_timeout_s``. A rank that was killed closes its connections and every
+survivor's receive from it fails at once; a rank that stopped answering (a frozen or unplugged
+node) fails it after ``rank_timeout_s``. Either way each survivor knows *which* rank is gone,
+from its own failed transfer (gloo's ``all_gather_object`` would only say that some connection
+broke, and ``monitored_barrier`` names the rank on rank 0 alone).
 
 An exchange completes in the round in which every rank waits at that step; all ranks see the
 same gathered list, so they move on together. A failure stops every rank: the heartbeat thread
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -42,7 +44,7 @@ from typing import Any, Protocol
 from .ranks import RankSpec
 from .safetensors_io import CheckpointError
 
-HEARTBEAT_MAX_S = 2.0  # the longest gap between two heartbeat rounds
+HEARTBEAT_MAX_S = 1.0  # the longest gap between two heartbeat rounds
 
 
 class RankFailure(CheckpointError):
@@ -175,16 +177,19 @@ class GlooCoordinator:
         self._thread.start()
 
     def close(self) -> None:
-        """After the last exchange (every rank has left the heartbeat): tear the group down.
-        After a failure only the signal handler is restored; the process exits next."""
+        """Leave the world: after the last exchange, or after a failure once the heartbeat
+        thread has stopped (the process group must be destroyed before the interpreter exits;
+        left to the exit, gloo's threads abort the process)."""
+        import torch.distributed as dist
+
         if self._saved_handler is not None:
             signal.signal(signal.SIGUSR1, self._saved_handler)
             self._saved_handler = None
-        if self._last and self._failure is None:
-            import torch.distributed as dist
-
-            if self._thread is not None:
-                self._thread.join(timeout=self.rank_timeout_s)
+        if self._thread is not None:
+            self._stopped.set()
+            self._kick.set()
+            self._thread.join(timeout=self.heartbeat_s + self.rank_timeout_s)
+        if dist.is_initialized():
             dist.destroy_process_group()
 
     # -- what the main thread calls ---------------------------------------------------------
@@ -235,25 +240,39 @@ class GlooCoordinator:
 
     # -- the heartbeat thread ---------------------------------------------------------------
 
-    def _round(self, status: _Status) -> list[_Status]:
-        """One heartbeat round (see the module docstring); raises RankFailure naming a lost rank."""
-        import torch
+    def _exchange_p2p(self, send, recv: dict) -> list[tuple[int, RuntimeError]]:
+        """``send`` to every other rank and ``recv[p]`` from each rank p, all at once (gloo
+        isend / irecv), every wait bounded by rank_timeout_s in all; returns the ranks whose
+        transfer failed, with the error."""
         import torch.distributed as dist
 
-        peers = [p for p in range(self.world_size) if p != self.rank]
-        token = torch.zeros(1, dtype=torch.int64)
-        bufs = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
-        works = [(p, dist.irecv(bufs[p], src=p, group=self._group), dist.isend(token, dst=p, group=self._group))
-                 for p in peers]
+        works = [(p, dist.irecv(buf, src=p, group=self._group), dist.isend(send, dst=p, group=self._group))
+                 for p, buf in recv.items()]
         deadline = time.monotonic() + self.rank_timeout_s
         lost = []
-        for p, recv, send in works:
-            for w in (recv, send):
+        for p, r, w in works:
+            for work in (r, w):
                 try:
-                    w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                    work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
                 except RuntimeError as exc:
                     lost.append((p, exc))
                     break
+        return lost
+
+    def _round(self, status: _Status) -> list[_Status]:
+        """One heartbeat round: every rank's status to every rank, peer to peer (an all-gather
+        made of point-to-point transfers, so that a transfer that fails names its rank: gloo's
+        all_gather would only say that *some* connection broke). Raises RankFailure naming a
+        lost rank."""
+        import torch
+
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        data = pickle.dumps(status)
+        sizes = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
+        lost = self._exchange_p2p(torch.tensor([len(data)], dtype=torch.int64), sizes)
+        if not lost:
+            bufs = {p: torch.empty(int(sizes[p]), dtype=torch.uint8) for p in peers}
+            lost = self._exchange_p2p(torch.frombuffer(bytearray(data), dtype=torch.uint8), bufs)
         if lost:
             p, exc = lost[0]
             msg = _first_line(exc)
@@ -261,11 +280,7 @@ class GlooCoordinator:
                    if "Timed out" in msg else f"its connection closed (killed or crashed?): {msg}")
             more = f" (also lost: {', '.join(self.who(q) for q, _ in lost[1:])})" if len(lost) > 1 else ""
             raise RankFailure(f"{self.who(p)} vanished: {why}{more}")
-        out: list = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, status, group=self._group)
-        except RuntimeError as exc:
-            raise RankFailure(f"lost the other ranks while exchanging status: {_first_line(exc)}") from None
+        out = [pickle.loads(bufs[p].numpy().tobytes()) if p != self.rank else status for p in range(self.world_size)]
         return out
 
     def _watch(self) -> None:

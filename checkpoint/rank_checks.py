@@ -54,23 +54,25 @@ def launch_differences(infos: list[dict], who=lambda r: f"rank {r}") -> list[str
     out = []
     for r, info in enumerate(infos[1:], 1):
         me, zero = who(r), who(0)
+        diffs = []
         if info["tool_version"] != ref["tool_version"]:
-            out.append(f"{me} runs k3nvfp4-cast {info['tool_version']}, {zero} {ref['tool_version']}")
+            diffs.append(f"{me} runs k3nvfp4-cast {info['tool_version']}, {zero} {ref['tool_version']}")
         for k in SHARED_OPTIONS:
             a, b = ref["options"][k], info["options"][k]
             if a != b:
-                out.append(f"{_flag(k)} is {_value(b)} at {me}, {_value(a)} at {zero}")
-        if info["fingerprint"] != ref["fingerprint"]:
-            pa, pb = ref["fingerprint_parts"], info["fingerprint_parts"]
-            where = f"{me} reads {info['source']}, {zero} {ref['source']}"
-            for kind in ("files", "shards"):
-                a, b = pa.get(kind, {}), pb.get(kind, {})
-                for name in sorted(set(a) | set(b)):
-                    if a.get(name) != b.get(name):
-                        out.append(f"source {name}: {b.get(name, 'absent')} at {me}, {a.get(name, 'absent')} at {zero} "
-                                   f"({where})")
-            if not any(s.startswith("source ") for s in out):
-                out.append(f"{me} planned another source than {zero} ({where})")
+                diffs.append(f"{_flag(k)} is {_value(b)} at {me}, {_value(a)} at {zero}")
+        pa, pb = ref["fingerprint_parts"], info["fingerprint_parts"]
+        source = []
+        for kind in ("files", "shards"):  # the rest of the fingerprint is the options and version above
+            a, b = pa.get(kind, {}), pb.get(kind, {})
+            source += [f"source {name}: {b.get(name, 'absent')} at {me}, {a.get(name, 'absent')} at {zero}"
+                       for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+        if source:
+            source[-1] += f" ({me} reads {info['source']}, {zero} {ref['source']})"
+        elif info["fingerprint"] != ref["fingerprint"] and not diffs:
+            source.append(f"{me} planned another cast than {zero} (fingerprint {info['fingerprint'][:12]} vs "
+                          f"{ref['fingerprint'][:12]})")
+        out += diffs + source
     return out
 
 
