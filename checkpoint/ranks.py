@@ -114,9 +114,10 @@ def slurm_master_host(nodelist: str, which: Callable[[str], str | None] = shutil
                       run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> str:
     """The first host of ``nodelist``: ``scontrol show hostnames`` where scontrol is on PATH
     (it knows every form of SLURM's host lists), else :func:`first_host`."""
-    if which("scontrol"):
+    exe = which("scontrol")
+    if exe:
         try:
-            out = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+            out = run([exe, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.SubprocessError):
             out = None
         if out is not None and out.returncode == 0 and out.stdout.split():
