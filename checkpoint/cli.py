@@ -39,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-progress", "--no_progress", dest="progress", action="store_false", help="no progress bars: a status line (done, rate, ETA) every $K3NVFP4_PROGRESS_INTERVAL seconds "
                     "(default 30) instead, as when stderr is not a terminal (default: bars on a terminal)")
     ranks = ap.add_argument_group(
-        "a cast across nodes", "Under torchrun or an srun task every rank finds its place in the environment; for any "
-        "other launcher give --rank, --world-size and --dist-init. Every rank gets the same command; the output must be on "
-        "storage every rank shares. See docs/cast.md.")
+        "a cast across nodes",
+        "Under torchrun or an srun task every rank finds its place in the environment; for any other\n"
+        "launcher give --rank, --world-size and --dist-init. Every rank gets the same command; the\n"
+        "output must be on storage every rank shares. See docs/cast.md.")
     ranks.add_argument("--rank", type=int, default=None,
                        help="this process's rank (default: torchrun's RANK or srun's SLURM_PROCID; without either, one process)")
     ranks.add_argument("--world-size", dest="world_size", type=int, default=None,
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "without MASTER_ADDR the step's first node, port MASTER_PORT or 29500 + SLURM_JOB_ID mod 1000)")
     ranks.add_argument("--rank-timeout", dest="rank_timeout", type=float, default=60.0, metavar="SECONDS",
                        help="how long a rank waits for an answer from another before it calls it vanished; a rank that fails "
-                       "or vanishes stops every rank within about this + 2 s (default: 60)")
+                       "or vanishes stops every rank within about this + 1 s (default: 60)")
     ranks.add_argument("--join-timeout", dest="join_timeout", type=float, default=600.0, metavar="SECONDS",
                        help="how long the ranks wait at start for every rank to join (default: 600)")
     return ap

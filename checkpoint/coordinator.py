@@ -158,14 +158,14 @@ class GlooCoordinator:
         round on this thread (names every rank's host), then start the heartbeat thread."""
         import torch.distributed as dist
 
-        where = f"{self.spec.describe()}"
+        where = f"rendezvous {self.spec.address} ({self.spec.launcher})"
         try:
             dist.init_process_group("gloo", init_method=self.spec.init_method, rank=self.rank,
                                     world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=self.join_timeout_s))
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.rank_timeout_s))
         except (RuntimeError, ValueError, OSError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
-            raise CheckpointError(f"{where}: could not join the other ranks within --join-timeout "
+            raise CheckpointError(f"{where}: the {self.world_size} ranks did not all join within --join-timeout "
                                   f"{self.join_timeout_s:g} s: {_first_line(exc)}") from None
         try:
             statuses = self._round(self._status)

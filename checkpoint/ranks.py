@@ -61,10 +61,6 @@ class RankSpec:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def describe(self) -> str:
-        """'rank 1 of 3 (torchrun, rendezvous node01:29500)'."""
-        return f"rank {self.rank} of {self.world_size} ({self.launcher}, rendezvous {self.address})"
-
 
 def _int(value: str, what: str) -> int:
     try:
