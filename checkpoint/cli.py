@@ -146,7 +146,8 @@ def _print_result(args: argparse.Namespace, report: dict) -> None:
         what = (f"already a finished cast, {done}" if report.get("already_done") else
                 f"cast {r['cast_now']} of its {len(r['shards'])} shard(s) ({r['resumed']} done by an earlier run) in "
                 f"{r.get('cast_seconds', 0):.2f} s" + (f", verified in {r['verify_seconds']:.2f} s" if "verify_seconds" in r else ""))
-        print(f"rank {r['rank']} of {report['world_size']}: {what}; rank 0 wrote {args.output_ckpt / REPORT_FILE}")
+        by = "report" if report.get("already_done") and not report.get("verified_now") else "rank 0 wrote"
+        print(f"rank {r['rank']} of {report['world_size']}: {what}; {by} {args.output_ckpt / REPORT_FILE}")
         return
     if report.get("already_done"):
         print(f"{args.output_ckpt}: already a finished cast of this source with these options; nothing to do"

@@ -566,15 +566,14 @@ def _run_cast(options: CastOptions, coord: Coordinator) -> dict:
             _remove_partials(options.output)  # leftovers of a killed run
         if coord.distributed:
             token = write_launch_token(options.output, coord.world_size)
-    prepared = coord.exchange("prepared", {"finished": finished, "token": token,
+    prepared = coord.exchange("prepared", {"finished": finished is not None, "token": token,
                                            "output": str(options.output.resolve())} if coord.is_root else None)[0]
-    finished = prepared["finished"]
     state = options.output / STATE_DIR
     if coord.distributed:
         if not coord.is_root:
             check_launch_token(options.output, prepared["token"], prepared["output"])
         coord.exchange("joined", None)
-    if finished is not None:
+    if prepared["finished"]:  # rank 0 found a finished cast of this source with these options
         return _already_done(options, plan, finished, coord, mine)
 
     records: dict[str, dict] = {}

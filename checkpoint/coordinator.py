@@ -190,7 +190,10 @@ class GlooCoordinator:
             self._kick.set()
             self._thread.join(timeout=self.heartbeat_s + self.rank_timeout_s)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError):  # leaving anyway; the exit status says what happened
+                pass
 
     # -- what the main thread calls ---------------------------------------------------------
 
@@ -214,6 +217,8 @@ class GlooCoordinator:
             if self._failure is not None:
                 self._main_knows = True
                 raise self._failure
+            if self._stopped.is_set():
+                raise RuntimeError(f"exchange {step!r} after the last one")
             self._delivered.clear()
             self._result = None
             self._last = last

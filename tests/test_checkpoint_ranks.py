@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -98,9 +99,11 @@ class Ranks:
         self.ctl.mkdir()
         (self.ctl / "plan.json").write_text(json.dumps(plan or {}))
         self.errs = [open(self.ctl / f"rank{r}.txt", "w") for r in range(n)]
-        self.procs = [subprocess.Popen([sys.executable, "-P", str(HARNESS), str(self.ctl), "--", *argv_of(r)],
-                                       env=env_of(r), stdout=subprocess.DEVNULL, stderr=self.errs[r])
-                      for r in range(n)]
+        self.procs: list[subprocess.Popen] = []
+        for r in range(n):  # one process group, as the ranks of a launcher on a terminal
+            group = {"process_group": 0} if r == 0 else {"process_group": self.procs[0].pid}
+            self.procs.append(subprocess.Popen([sys.executable, "-P", str(HARNESS), str(self.ctl), "--", *argv_of(r)],
+                                               env=env_of(r), stdout=subprocess.DEVNULL, stderr=self.errs[r], **group))
 
     def wait_for(self, marker: str) -> float:
         deadline = time.monotonic() + HANG_GUARD_S
@@ -144,10 +147,10 @@ def _slurm_launch(tmp: Path, src: Path, out: Path, n: int, plan: dict | None = N
                                 SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID="4242", MASTER_PORT=port), plan)
 
 
-def _flag_launch(tmp: Path, n: int, argv_of) -> Ranks:
+def _flag_launch(tmp: Path, n: int, argv_of, plan: dict | None = None) -> Ranks:
     addr = f"127.0.0.1:{_free_port()}"
     return Ranks(tmp, n, lambda r: [*argv_of(r), "--rank", str(r), "--world-size", str(n), "--dist-init", addr],
-                 lambda r: _env())
+                 lambda r: _env(), plan)
 
 
 # -- launches --------------------------------------------------------------------------------
@@ -210,6 +213,25 @@ def test_killed_rank_stops_every_rank_then_the_same_launch_resumes(source, refer
     assert report["shards"]["total"] == 5 and report["shards"]["resumed"] >= 1 and report["shards"]["cast_now"] >= 1
     assert report["ranks"]["per_rank"][1]["cast_now"] >= 1  # the killed rank's shard was cast again
     assert "joined (slurm, rendezvous localhost:" in errs[0]
+
+
+def test_ctrl_c_stops_every_rank_with_one_line_each(source, reference, tmp_path):
+    """Ctrl-C (SIGINT to the ranks' process group) while rank 1 is half-way through a shard: every
+    rank prints one line and exits 130; no temporary file remains; finished shards are complete."""
+    out = tmp_path / "out"
+    run = _flag_launch(tmp_path, 2, lambda r: _cast_args(source, out), {"hold": {"rank": 1, "shard": 1}})
+    run.wait_for("held")
+    os.killpg(run.procs[0].pid, signal.SIGINT)
+    rcs, errs = run.finish()
+    assert rcs == [130, 130], run.stderr()
+    for r, err in enumerate(errs):
+        lines = [x for x in err.splitlines() if "joined (" not in x and " casts " not in x]
+        assert lines == [f"k3nvfp4-cast: rank {r} of 2: interrupted; run the same launch again to resume"], err
+    assert _partials(out) == []
+    for f in FINAL_FILES:
+        assert not (out / f).exists(), f
+    for f in out.glob("*.safetensors"):
+        assert hashlib.sha256(f.read_bytes()).hexdigest() == reference[f.name], f.name
 
 
 def test_ranks_started_unlike_each_other_are_refused_naming_the_difference(source, tmp_path):
