@@ -1,6 +1,7 @@
 """Cast throughput vs a plain copy of the same shards on the same disk (one run).
 
     python -P bench/bench_cast.py --scratch /tmp/k3cast-bench [--gb 4.2] [--workers N] [--keep]
+    python -P bench/bench_cast.py --scratch /tmp/k3cast-bench --ranks N [--gb 1.5]
 
 Builds (once) a synthetic Kimi-K3 MXFP4 checkpoint of K3-sized experts (w1/w3 [3072, 3584],
 w2 [3584, 3072]) of at least 4 GB, then measures, with the page cache dropped before each
@@ -11,6 +12,16 @@ step when permitted:
 in GB/s of source bytes read per wall-clock second, plus the tensor-level time of casting one
 K3 expert (in memory, one thread) with 0% and 0.5% zero-exponent blocks, and writes
 bench/results/cast-<host>.json. Targets: cast >= 0.9x copy, cast+verify >= 0.7x copy.
+
+With ``--ranks N`` it measures the cast across ranks instead, each step the k3nvfp4-cast command
+in a fresh process (page cache dropped before each): the copy; one rank with --workers 1; one
+rank with --workers N; N local ranks (``torchrun --standalone --nproc-per-node N``) with
+--workers 1 each. It reports the N ranks against the one rank with one worker (N processes
+against 1, the ratio asked for) and against the one rank with N workers (the same number of
+processes: what the ranks' coordination costs), checks that every output file has the same
+sha256, and writes bench/results/cast-ranks-<host>.json. Times are the cast's own (the report's
+``seconds.cast``: from every rank joined to every shard committed) and the command's wall time
+(interpreter and torch start-up included).
 The scratch data is deleted afterwards unless --keep.
 """
 
@@ -105,6 +116,126 @@ def expert_cast_ms(zero_exponent_fraction: float, repeats: int = 9, seed: int = 
             "min_ms": 1e3 * times[0], "stats": stats.to_dict()}
 
 
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+
+
+def _output_hashes(d: Path) -> dict[str, str]:
+    """sha256 of every output file except cast_report.json (which holds times and ranks)."""
+    import hashlib
+
+    out = {}
+    for p in sorted(d.rglob("*")):
+        if p.is_file() and p.name != "cast_report.json":
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+            out[str(p.relative_to(d))] = h.hexdigest()
+    return out
+
+
+def cast_command(src: Path, out: Path, ranks: int, workers: int) -> dict:
+    """Run k3nvfp4-cast as ``ranks`` local processes (torchrun --standalone when > 1) with
+    ``workers`` each; returns its wall time and the report's figures."""
+    cli = ["-m", "k3nvfp4.checkpoint", "--source-ckpt", str(src), "--output-ckpt", str(out),
+           "--workers", str(workers), "--no-progress"]
+    cmd = [sys.executable, "-P", *(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+                                   if ranks > 1 else []), *cli]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env["K3NVFP4_PROGRESS_INTERVAL"] = "0"
+    t = time.perf_counter()
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if run.returncode != 0:
+        raise SystemExit(f"bench_cast: {' '.join(cmd)} failed ({run.returncode}):\n{run.stderr[-4000:]}")
+    rep = json.loads((out / "cast_report.json").read_text())
+    return {
+        "command": " ".join(["python -P", *cmd[2:]]).replace(str(src), "SRC").replace(str(out), "OUT"),
+        "ranks": ranks, "workers_per_rank": workers, "wall_seconds": wall, "cast_seconds": rep["seconds"]["cast"],
+        "report_seconds": rep["seconds"], "bit_exact": f"{rep['stats']['exact_blocks']} / {rep['stats']['blocks']}",
+        "per_rank": [{k: v for k, v in row.items() if k != "shards"} | {"shards": len(row["shards"])}
+                     for row in rep["ranks"]["per_rank"]],
+    }
+
+
+def ranks_main(args, src: Path, src_bytes: int, shards: list[Path], gen_s: float, load_before) -> int:
+    """--ranks N: the copy, 1 rank x 1 worker, 1 rank x N workers, N ranks x 1 worker (see the docstring)."""
+    n = args.ranks
+    results, dropped = {}, []
+    copy_dir = args.scratch / "copy"
+    shutil.rmtree(copy_dir, ignore_errors=True)
+    copy_dir.mkdir()
+    dropped.append(drop_page_cache())
+    t = time.perf_counter()
+    for s in shards:
+        shutil.copyfile(s, copy_dir / s.name)
+        fd = os.open(copy_dir / s.name, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    results["copy"] = {"seconds": time.perf_counter() - t}
+    shutil.rmtree(copy_dir)
+    hashes = {}
+    for key, ranks, workers in (("one_rank", 1, 1), (f"one_rank_{n}_workers", 1, n), (f"{n}_ranks", n, 1)):
+        out = args.scratch / f"k3-nvfp4-{key}"
+        shutil.rmtree(out, ignore_errors=True)
+        dropped.append(drop_page_cache())
+        results[key] = cast_command(src, out, ranks, workers)
+        hashes[key] = _output_hashes(out)
+        shutil.rmtree(out)
+    for r in results.values():
+        secs = r.get("cast_seconds", r.get("seconds"))
+        r["gb_per_s"] = src_bytes / secs / 1e9
+    one, many, same = results["one_rank"], results[f"{n}_ranks"], results[f"one_rank_{n}_workers"]
+    ratios = {
+        f"{n}_ranks_vs_one_rank": one["cast_seconds"] / many["cast_seconds"],
+        f"{n}_ranks_vs_one_rank_{n}_workers": same["cast_seconds"] / many["cast_seconds"],
+        f"{n}_ranks_vs_one_rank_wall": one["wall_seconds"] / many["wall_seconds"],
+        "one_rank_vs_copy": results["copy"]["seconds"] / one["cast_seconds"],
+        f"{n}_ranks_vs_copy": results["copy"]["seconds"] / many["cast_seconds"],
+    }
+    identical = all(h == hashes["one_rank"] for h in hashes.values())
+    host = socket.gethostname()
+    doc = {
+        "benchmark": "bench/bench_cast.py --ranks",
+        "host": host,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "ranks": n,
+        "platform": platform.platform(),
+        "versions": _versions(),
+        "disk": _disk(args.scratch),
+        "page_cache_dropped": all(dropped),
+        "page_cache_note": "sync + echo 3 > /proc/sys/vm/drop_caches before each step"
+        if all(dropped) else "drop_caches not permitted: reads may be served from the page cache",
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "load_note": "one machine, its ranks share its cores and its disk; see load averages for other jobs",
+        "source": {"bytes": src_bytes, "shards": len(shards), "generation_seconds": gen_s,
+                   "expert_shapes": "w1/w3 [3072, 3584], w2 [3584, 3072] (K3)"},
+        "seconds_note": "cast_seconds: the report's seconds.cast (every rank joined -> every shard committed); "
+                        "wall_seconds: the whole command, interpreter and torch start-up included",
+        "results": results,
+        "ratios": ratios,
+        "outputs_identical": identical,
+        "output_files_compared": len(hashes["one_rank"]),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"cast-ranks-{host}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    if not args.keep:
+        shutil.rmtree(args.scratch, ignore_errors=True)
+    print(f"{'copy':26s} {results['copy']['seconds']:7.2f} s  {results['copy']['gb_per_s']:.3f} GB/s")
+    for key in results:
+        if key != "copy":
+            r = results[key]
+            print(f"{key:26s} {r['cast_seconds']:7.2f} s  {r['gb_per_s']:.3f} GB/s  (command {r['wall_seconds']:.2f} s)")
+    for k, v in ratios.items():
+        print(f"{k}: {v:.3f}")
+    print(f"outputs identical (sha256 of {len(hashes['one_rank'])} files, report aside): {identical}")
+    print(f"wrote {path}")
+    return 0 if identical else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scratch", type=Path, required=True, help="scratch dir on the disk to measure")
@@ -115,8 +246,12 @@ def main(argv=None) -> int:
     ap.add_argument("--zero-exponent-fraction", type=float, default=0.0,
                     help="share of all-zero (E8M0 = 0) blocks in the checkpoint (all +-0 nibbles: the cast keeps "
                     "them without re-quantizing)")
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="measure N local ranks (torchrun) against one rank on the same data instead (see above)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
+    if args.ranks is not None and args.ranks < 2:
+        ap.error(f"--ranks {args.ranks}: must be >= 2")
 
     from k3nvfp4.checkpoint.convert import CastOptions, run_cast
     from k3nvfp4.checkpoint.layout import INDEX_FILE
@@ -141,6 +276,8 @@ def main(argv=None) -> int:
     gen_s = time.perf_counter() - t0
     src_bytes = _bytes(src)
     shards = sorted(src.glob("*.safetensors"))
+    if args.ranks is not None:
+        return ranks_main(args, src, src_bytes, shards, gen_s, load_before)
     results: dict = {}
 
     # 1) plain copy of every shard

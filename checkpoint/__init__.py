@@ -2,7 +2,8 @@
 
 - ``synthetic.write_synthetic_checkpoint``: small checkpoints in the exact K3 MXFP4 layout;
 - ``convert.run_cast`` / the ``k3nvfp4-cast`` CLI (``cli.main``): the streaming, resumable,
-  verified MXFP4 -> NVFP4 cast;
+  verified MXFP4 -> NVFP4 cast, in one process or across nodes (``ranks``: who a rank is and
+  which shards it casts; ``coordinator``: the ranks' gloo heartbeat; ``rank_checks``);
 - ``layer.load_moe_layer_nvfp4``: one MoE layer of a cast checkpoint as an ``NVFP4MoELayer``
   (``NVFP4MoEWeights`` + hidden_act, SiTU betas, top_k, routed_scaling_factor).
 

@@ -8,6 +8,11 @@ fingerprint) skips it, and the deterministic writer makes the result byte-identi
 The config, index, side files and ``cast_report.json`` are written last.
 A run that fails or is interrupted (Ctrl-C: the main process alone handles it) removes its
 temporary files, and a pool process that dies is an error naming its shard.
+
+Across nodes (torchrun, srun, or --rank/--world-size/--dist-init; see ranks.py and
+coordinator.py) the same steps run on every rank over its share of the shards, and the ranks
+meet at a few exchanges: start (all alike?), prepared (rank 0 made the output ready), cast (every
+shard committed), verify, final. Each shard's record is written by the rank that cast it alone.
 """
 
 from __future__ import annotations
@@ -36,7 +41,11 @@ from ..common.progress import progress_bar
 from ..kernels.cast import CastStats, MXFP4Weight, cast_mxfp4_to_nvfp4
 from . import _progress
 from .layout import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, REPORT_FILE, STATE_DIR
+from .coordinator import Coordinator, RankFailure, RankMismatch, Solo
 from .plan import CastPlan, ExpertMatrix, ShardPlan, ShardTask, SourceRef, fingerprint_differences, plan_cast
+from .rank_checks import (check_launch_token, coverage_problems, launch_differences, launch_info, plan_totals,
+                          write_launch_token)
+from .ranks import Terminated, assign_shards
 from .quant_config import hf_quant_config, output_config
 from .safetensors_io import CheckpointError, MappedShards, StreamingWriter, read_tensor, write_atomic_text
 from .verify import verify_full, verify_nonlocal, verify_shard
@@ -493,78 +502,181 @@ def _write_final_files(plan: CastPlan, options: CastOptions) -> int:
     return total
 
 
-def run_cast(options: CastOptions) -> dict:
+def run_cast(options: CastOptions, coord: Coordinator | None = None) -> dict:
     """Cast ``options.source`` into ``options.output``; returns the report (also written as cast_report.json).
 
-    Raises CheckpointError on bad input, a failed write, --strict violations or a failed --verify.
+    ``coord``: this process's rank of a cast across nodes (coordinator.GlooCoordinator); None is
+    the single-process cast (coordinator.Solo). Every rank plans the whole checkpoint and casts
+    its share (ranks.assign_shards); rank 0 prepares the output first and writes the index,
+    configs, copied files and the report last, after every rank has finished (and verified) its
+    shards. Rank 0 returns the report; another rank returns its own part of it (``"rank"``).
+
+    Raises CheckpointError on bad input, a failed write, --strict violations or a failed --verify;
+    RankFailure when another rank failed or vanished; RankMismatch when the ranks were started
+    unlike each other. A rank that fails tells the others before it raises.
     """
+    coord = Solo() if coord is None else coord
+    try:
+        return _run_cast(options, coord)
+    except (RankFailure, RankMismatch):
+        raise  # every rank knows already (a mismatch: each found the same difference)
+    except KeyboardInterrupt as exc:
+        # Ctrl-C usually reaches every rank of a node at once; do not wait long to tell them.
+        coord.fail("terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)", wait_s=5.0)
+        raise
+    except BaseException as exc:
+        coord.fail(str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _rank_desc(desc: str, coord: Coordinator) -> str:
+    """Progress lines name the rank: 'cast (rank 1 of 3)'."""
+    return f"{desc} ({coord.label()})" if coord.distributed else desc
+
+
+def _remove_own_partials(out: Path, shards: list[str]) -> None:
+    """A rank's clean-up after a failure: its own shards' temporary files and its own atomic
+    writes' leftovers, never another rank's (those may be being written right now)."""
+    for name in shards:
+        (out / f".{name}{PARTIAL_SUFFIX}").unlink(missing_ok=True)
+    for p in (out / STATE_DIR).glob(f".*.{os.getpid()}.*{PARTIAL_SUFFIX}"):
+        p.unlink(missing_ok=True)
+
+
+def _run_cast(options: CastOptions, coord: Coordinator) -> dict:
     t_start = time.perf_counter()
     src = options.source
     if not src.is_dir():
         raise CheckpointError(f"--source-ckpt {src}: not a directory")
     plan = plan_cast(src, w4a4=options.w4a4, trim_a_log=options.trim_a_log, tool_version=TOOL_VERSION)
-    state, finished = _prepare_output(options, plan)
-    if finished is not None:
-        return _already_done(options, plan, finished)
-    _remove_partials(options.output)  # leftovers of a killed run
+    assignment = assign_shards({sp.name: sp.source_bytes for sp in plan.shards}, coord.world_size)
+    mine_names = set(assignment[coord.rank])
+    mine = [sp for sp in plan.shards if sp.name in mine_names]
+    if coord.distributed:
+        infos = coord.exchange("start", launch_info(options, plan, TOOL_VERSION))
+        diffs = launch_differences(infos, coord.who)
+        if diffs:
+            raise RankMismatch(f"the ranks were not started alike: {'; '.join(diffs)}. Start every rank with the same "
+                               "--source-ckpt contents, --output-ckpt directory and options")
+    # Rank 0 alone touches the output before the cast (refuse, resume, --overwrite, leftovers).
+    finished, token = None, None
+    if coord.is_root:
+        state, finished = _prepare_output(options, plan)
+        if finished is None:
+            _remove_partials(options.output)  # leftovers of a killed run
+        if coord.distributed:
+            token = write_launch_token(options.output, coord.world_size)
+    prepared = coord.exchange("prepared", {"finished": finished is not None, "token": token,
+                                           "output": str(options.output.resolve())} if coord.is_root else None)[0]
+    state = options.output / STATE_DIR
+    if coord.distributed:
+        if not coord.is_root:
+            check_launch_token(options.output, prepared["token"], prepared["output"])
+        coord.exchange("joined", None)
+    if prepared["finished"]:  # rank 0 found a finished cast of this source with these options
+        return _already_done(options, plan, finished, coord, mine)
 
     records: dict[str, dict] = {}
-    for sp in plan.shards:
+    for sp in mine:
         rec = state / f"{sp.name}.json"
         if rec.exists() and (options.output / sp.name).exists():
             records[sp.name] = json.loads(rec.read_text())
-    todo = [sp for sp in plan.shards if sp.name not in records]
+    todo = [sp for sp in mine if sp.name not in records]
     resumed = len(records)
+    if coord.distributed:
+        coord.log(f"casts {len(todo)} of its {len(mine)} shard(s) ({sum(sp.source_bytes for sp in todo) / 1e9:.2f} GB; "
+                  f"{resumed} done by an earlier run); {len(plan.shards)} shard(s) in all")
 
     t0 = time.perf_counter()
     tasks = [_shard_task(plan, options, sp) for sp in todo]
 
     def record(r: dict) -> None:
-        # Recorded as soon as the shard is renamed into place: an interruption keeps it.
+        # Recorded as soon as the shard is renamed into place: an interruption keeps it. One file
+        # per shard, written by the rank that cast it alone: concurrent ranks never share a file.
         records[r["shard"]] = r
         write_atomic_text(state / f"{r['shard']}.json", json.dumps(r) + "\n")
 
+    rank_row = {"rank": coord.rank, "host": platform.node(), "pid": os.getpid(), "workers": options.workers,
+                "shards": [sp.name for sp in mine], "cast_now": len(todo), "resumed": resumed,
+                "bytes_cast_now": sum(sp.source_bytes for sp in todo)}
+    vres: list[dict] = []
     try:
-        with _Executor(min(options.workers, len(plan.shards)), options.progress, options.main_process_works) as ex:
-            ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), "cast", record)
+        with _Executor(min(options.workers, max(1, len(mine))), options.progress, options.main_process_works) as ex:
+            ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), _rank_desc("cast", coord), record)
+            rank_row["cast_seconds"] = time.perf_counter() - t0
+            # Every rank's shards are committed before any rank verifies the groups that span shards.
+            cast_all = coord.exchange("cast", {"records": records, "rank": rank_row})
             cast_seconds = time.perf_counter() - t0
-            verify_report, verify_seconds = None, 0.0
+            verify_seconds, verified = 0.0, []
             if options.verify:
                 # Shards cast now were verified in-line except their cross-shard groups; shards of
                 # an earlier (resumed) run are verified whole.
                 t1 = time.perf_counter()
                 vres = [records[sp.name]["verify"] for sp in todo]
+                verified = [sp.name for sp in todo]
                 by_name = {sp.name: sp for sp in plan.shards}
                 nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
                 cast_now = {sp.name for sp in todo}
-                full_tasks = [_shard_task(plan, options, sp) for sp in plan.shards if sp.name not in cast_now]
+                full_tasks = [_shard_task(plan, options, sp) for sp in mine if sp.name not in cast_now]
+                verified += [t.shard.name for t in full_tasks]
                 for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
                     if ts:
-                        ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), "verify", vres.append)
+                        ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), _rank_desc("verify", coord), vres.append)
+                rank_row["verify_seconds"] = time.perf_counter() - t1
+                verify_all = coord.exchange("verify", {"results": vres, "verified": verified,
+                                                       "verify_seconds": rank_row["verify_seconds"]})
                 verify_seconds = time.perf_counter() - t1
     except BaseException:
         # The pool is terminated and joined by now, so nothing writes any more: the shards being
         # cast when the run failed or was interrupted leave no temporary file behind. Finished
-        # shards stay (recorded: a resume keeps them).
-        _remove_partials(options.output)
+        # shards stay (recorded: a resume keeps them). A rank removes only its own temporaries.
+        if coord.distributed:
+            _remove_own_partials(options.output, [sp.name for sp in mine])
+        else:
+            _remove_partials(options.output)
         raise
-    cast_bytes = sum(sp.source_bytes for sp in todo)
 
+    rows = [c["rank"] for c in cast_all]
+    if options.verify:
+        for row, v in zip(rows, verify_all):
+            row["verify_seconds"] = v["verify_seconds"]
+    if not coord.is_root:
+        coord.exchange("final", None, last=True)
+        return {"rank": rank_row, "world_size": coord.world_size, "output": str(options.output.resolve())}
+
+    all_records: dict[str, dict] = {}
+    cast_names: list[str] = []
+    for c in cast_all:
+        cast_names += list(c["records"])
+        all_records.update(c["records"])
     stats = CastStats()
     matrices = 0
-    for r in records.values():
+    for r in all_records.values():
         stats = stats + CastStats(**r["stats"])
         matrices += r["matrices"]
+    totals = plan_totals(plan)
+    gaps = coverage_problems(totals, cast_names, matrices, stats.blocks)
+    if gaps:
+        raise CheckpointError("the ranks' results do not cover the plan: " + "; ".join(gaps))
 
+    verify_report = None
     if options.verify:
-        verify_report = _merge_verify(vres, stats)
+        all_vres = [r for v in verify_all for r in v["results"]]
+        verify_report = _merge_verify(all_vres, stats)
+        gaps = coverage_problems(totals, cast_names, matrices, stats.blocks,
+                                 [n for v in verify_all for n in v["verified"]], verify_report)
+        if gaps:
+            verify_report["mismatches"] += len(gaps)
+            verify_report["mismatch_examples"] = (verify_report["mismatch_examples"] + gaps)[:10]
         if verify_report["mismatches"]:
             raise CheckpointError(
                 "--verify FAILED: " + "; ".join(verify_report["mismatch_examples"]) + f" ({verify_report['mismatches']} mismatches)"
             )
 
+    cast_bytes = sum(row["bytes_cast_now"] for row in rows)
+    cast_now = sum(row["cast_now"] for row in rows)
     output_bytes = _write_final_files(plan, options)
-    a_logs = [a for r in records.values() for a in r["a_log"]]
+    a_logs = [a for r in all_records.values() for a in r["a_log"]]
     total_seconds = time.perf_counter() - t_start
     report = {
         "tool": "k3nvfp4-cast",
@@ -580,12 +692,12 @@ def run_cast(options: CastOptions) -> dict:
         "stats": stats.to_dict(),
         "bit_exact_fraction": stats.exact_blocks / stats.blocks if stats.blocks else 1.0,
         "matrices_cast": matrices,
-        "shards": {"total": len(plan.shards), "cast_now": len(todo), "resumed": resumed},
+        "shards": {"total": len(plan.shards), "cast_now": cast_now, "resumed": len(plan.shards) - cast_now},
         "bytes": {"source": plan.total_source_bytes, "cast_now": cast_bytes, "output_tensors": output_bytes},
         "seconds": {"cast": cast_seconds, "verify": verify_seconds, "total": total_seconds},
         "throughput_gb_per_s": {
             # Of this run only: a resumed run's rate covers the shards it cast, not those an earlier run did.
-            "shards_covered": len(todo),
+            "shards_covered": cast_now,
             "cast": cast_bytes / cast_seconds / 1e9 if cast_seconds > 0 and cast_bytes else None,
             "cast_plus_verify": cast_bytes / (cast_seconds + verify_seconds) / 1e9
             if options.verify and cast_bytes and cast_seconds + verify_seconds > 0
@@ -599,30 +711,50 @@ def run_cast(options: CastOptions) -> dict:
         },
         "exclude_modules": len(plan.exclude_modules),
         "verify": verify_report,
-        "per_shard": [records[sp.name] for sp in plan.shards],
+        # Who cast what (timings per rank); the shards' own times are in per_shard.
+        "ranks": {"world_size": coord.world_size, "per_rank": rows},
+        "per_shard": [all_records[sp.name] for sp in plan.shards],
     }
     write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
     shutil.rmtree(state, ignore_errors=True)
+    coord.exchange("final", None, last=True)
     return report
 
 
-def _already_done(options: CastOptions, plan: CastPlan, report: dict) -> dict:
+def _already_done(options: CastOptions, plan: CastPlan, report: dict, coord: Coordinator,
+                  mine: list[ShardPlan]) -> dict:
     """The output is a finished cast of this source with these options: nothing is cast again.
-    With --verify every shard is verified again from disk and the report's verify section
-    replaced. Returns the report with ``already_done`` set."""
+    With --verify every shard is verified again from disk (each rank its own) and the report's
+    verify section replaced. Returns the report with ``already_done`` set."""
     if options.verify:
         t0 = time.perf_counter()
-        tasks = [_shard_task(plan, options, sp) for sp in plan.shards]
+        tasks = [_shard_task(plan, options, sp) for sp in mine]
         results: list[dict] = []
-        with _Executor(min(options.workers, len(tasks)), options.progress, options.main_process_works) as ex:
-            ex.run(verify_full, tasks, sum(t.shard.source_bytes for t in tasks), "verify", results.append)
-        verify_report = _merge_verify(results, CastStats(**report["stats"]))
-        if verify_report["mismatches"]:
-            raise CheckpointError("--verify FAILED: " + "; ".join(verify_report["mismatch_examples"])
-                                  + f" ({verify_report['mismatches']} mismatches)")
-        report = {**report, "verify": verify_report,
-                  "seconds": {**report["seconds"], "verify": time.perf_counter() - t0}}
-        write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+        with _Executor(min(options.workers, max(1, len(tasks))), options.progress, options.main_process_works) as ex:
+            ex.run(verify_full, tasks, sum(t.shard.source_bytes for t in tasks), _rank_desc("verify", coord),
+                   results.append)
+        verify_all = coord.exchange("verify", {"results": results, "verified": [sp.name for sp in mine]})
+        if coord.is_root:
+            verify_report = _merge_verify([r for v in verify_all for r in v["results"]], CastStats(**report["stats"]))
+            totals = plan_totals(plan)
+            gaps = coverage_problems(totals, sorted(totals.shards), report["matrices_cast"], report["stats"]["blocks"],
+                                     [n for v in verify_all for n in v["verified"]], verify_report)
+            if gaps:
+                verify_report["mismatches"] += len(gaps)
+                verify_report["mismatch_examples"] = (verify_report["mismatch_examples"] + gaps)[:10]
+            if verify_report["mismatches"]:
+                raise CheckpointError("--verify FAILED: " + "; ".join(verify_report["mismatch_examples"])
+                                      + f" ({verify_report['mismatches']} mismatches)")
+            report = {**report, "verify": verify_report,
+                      "seconds": {**report["seconds"], "verify": time.perf_counter() - t0}}
+            write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+    if coord.is_root and coord.distributed:
+        shutil.rmtree(options.output / STATE_DIR, ignore_errors=True)  # only the launch token is in it
+    coord.exchange("final", None, last=True)
+    if not coord.is_root:
+        return {"rank": {"rank": coord.rank, "shards": [sp.name for sp in mine], "cast_now": 0, "resumed": len(mine)},
+                "world_size": coord.world_size, "output": str(options.output.resolve()), "already_done": True,
+                "verified_now": options.verify}
     return {**report, "already_done": True, "verified_now": options.verify}
 
 
