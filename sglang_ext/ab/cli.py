@@ -85,7 +85,7 @@ def _add_serve(sub) -> None:
                         "{options}); default: NeMo-Skills' mcq-4choices text for the GPQA formats, the built-in ab-mc "
                         "text for JSONL prompts")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight per arm")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight over both arms together, started in prompt order (so both servers see the same batches)")
     p.add_argument("--retries", type=int, default=d.retries, help="extra attempts on connection errors, timeouts, 5xx")
     p.add_argument("--backoff", type=float, default=d.backoff_s, help="first retry wait in s, doubled each retry")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request timeout in s")
@@ -99,7 +99,8 @@ def _add_serve(sub) -> None:
                    help="resamples of the 95%% bootstrap interval of the paired difference")
     p.add_argument("--bootstrap-seed", type=int, default=d.bootstrap_seed,
                    help="seed of the bootstrap's resampling (recorded in the report)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="a status line every $K3NVFP4_PROGRESS_INTERVAL s instead of a progress bar")
     p.add_argument("--no-plots", action="store_true",
                    help="write report.json and summary.md only (without matplotlib the plots are skipped anyway)")
     p.add_argument("--out", type=Path, help="output directory (required unless printing launch commands)")
