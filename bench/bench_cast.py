@@ -43,6 +43,22 @@ TARGETS = {"cast_vs_copy": 0.9, "cast_verify_vs_copy": 0.7}
 K3_EXPERT = dict(hidden_size=3584, intermediate_size=3072)
 
 
+def time_copy(shards: list[Path], copy_dir: Path) -> float:
+    """Seconds to copy every shard into copy_dir and fsync it (the storage path's own speed, the
+    cast's yardstick); copy_dir is removed afterwards."""
+    shutil.rmtree(copy_dir, ignore_errors=True)
+    copy_dir.mkdir()
+    t = time.perf_counter()
+    for s in shards:
+        shutil.copyfile(s, copy_dir / s.name)
+        fd = os.open(copy_dir / s.name, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    seconds = time.perf_counter() - t
+    shutil.rmtree(copy_dir)
+    return seconds
+
+
 def drop_page_cache() -> bool:
     """sync + drop the page cache (root only); False if not permitted."""
     os.sync()
@@ -161,19 +177,8 @@ def cast_command(src: Path, out: Path, ranks: int, workers: int) -> dict:
 def ranks_main(args, src: Path, src_bytes: int, shards: list[Path], gen_s: float, load_before) -> int:
     """--ranks N: the copy, 1 rank x 1 worker, 1 rank x N workers, N ranks x 1 worker (see the docstring)."""
     n = args.ranks
-    results, dropped = {}, []
-    copy_dir = args.scratch / "copy"
-    shutil.rmtree(copy_dir, ignore_errors=True)
-    copy_dir.mkdir()
-    dropped.append(drop_page_cache())
-    t = time.perf_counter()
-    for s in shards:
-        shutil.copyfile(s, copy_dir / s.name)
-        fd = os.open(copy_dir / s.name, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    results["copy"] = {"seconds": time.perf_counter() - t}
-    shutil.rmtree(copy_dir)
+    dropped = [drop_page_cache()]
+    results = {"copy": {"seconds": time_copy(shards, args.scratch / "copy")}}
     hashes = {}
     for key, ranks, workers in (("one_rank", 1, 1), (f"one_rank_{n}_workers", 1, n), (f"{n}_ranks", n, 1)):
         out = args.scratch / f"k3-nvfp4-{key}"
@@ -278,21 +283,9 @@ def main(argv=None) -> int:
     shards = sorted(src.glob("*.safetensors"))
     if args.ranks is not None:
         return ranks_main(args, src, src_bytes, shards, gen_s, load_before)
-    results: dict = {}
-
     # 1) plain copy of every shard
-    copy_dir = args.scratch / "copy"
-    shutil.rmtree(copy_dir, ignore_errors=True)
-    copy_dir.mkdir()
     dropped = [drop_page_cache()]
-    t = time.perf_counter()
-    for s in shards:
-        shutil.copyfile(s, copy_dir / s.name)
-        fd = os.open(copy_dir / s.name, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    results["copy"] = {"seconds": time.perf_counter() - t}
-    shutil.rmtree(copy_dir)
+    results: dict = {"copy": {"seconds": time_copy(shards, args.scratch / "copy")}}
 
     # 2) cast, 3) cast --verify
     for key, verify in (("cast", False), ("cast_verify", True)):
