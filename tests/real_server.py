@@ -125,9 +125,9 @@ def write_tiny_llama(out: Path, *, seed: int = 0, perturb_lm_head: float = 0.0, 
       - s(-A cos d + c - ln d) (s the logistic function), has the sign of cos d, f_sin that of
       sin d; letter X's logit is LETTER_SCALE sqrt(2) (f_cos, f_sin) . (cos, sin)(its direction
       in _LETTER_DIRECTIONS + ``turn_letters`` degrees), so the letter is the quadrant of d mod
-      2 pi: A for the first. The words of a real question are all <unk> here, so a question
-      shows through its length: d is the user message's length in tokens plus 2, and a word
-      more turns it by 1 rad (57 degrees);
+      2 pi: A for the first. The words of a real question are <unk> here (but a lone A-D), and
+      only <|user|> is looked at, so a question shows through its length: d is the user
+      message's length in tokens plus 2, and a word more turns it by 1 rad (57 degrees);
     - after any other token: BIGRAM_LOGIT_STD (g_next . code_current / |code|) for the words
       w000..w239, g seeded normal vectors: a random bigram chain, with peaked next-token
       distributions; letters, "Answer:" and the specials DESIGNED_GAP below (EOS too: every
