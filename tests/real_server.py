@@ -10,6 +10,7 @@ process group on 127.0.0.1 and stopped by that group's id, also when a test fail
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -38,6 +39,11 @@ K3_CPU_FLAGS = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-
 # small KDA state pool, so that the pool is not sized from that half.
 K3_SHARED_HOST_FLAGS = ("--mem-fraction-static", "0.5", "--max-mamba-cache-size", "64")
 WORDS = tuple(f"w{i:03d}" for i in range(240))  # the tiny tokenizer's words: distinct, readable
+# The tokens of an answer line, "Answer: X" (the extraction of sglang_ext/ab/prompts.py reads the
+# last one), after WORDS: ids 245..249, so that WORDS keep their ids.
+ANSWER_WORDS = ("Answer:", "A", "B", "C", "D")
+SPECIALS = ("<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>")
+TINY_VOCAB = SPECIALS + WORDS + ANSWER_WORDS  # token ids in this order
 
 
 def free_port() -> int:
@@ -47,17 +53,16 @@ def free_port() -> int:
 
 
 def write_tiny_tokenizer(out: Path) -> int:
-    """A word-level tokenizer over WORDS (unknown words -> <unk>) with a chat template; returns
-    the vocabulary size. Every token decodes to a distinct string, so top_logprobs keys do not
-    collide."""
+    """A word-level tokenizer over WORDS and ANSWER_WORDS (unknown words -> <unk>) with a chat
+    template; returns the vocabulary size (250). Every token decodes to a distinct string, so
+    top_logprobs keys do not collide; decoding joins tokens with spaces ("Answer: B w017")."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]
-    vocab = {t: i for i, t in enumerate(specials + list(WORDS))}
+    vocab = {t: i for i, t in enumerate(TINY_VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(specials)
+    tok.add_special_tokens(list(SPECIALS))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} "
                           "{% else %}<|assistant|> {{ m['content'] }} </s> {% endif %}{% endfor %}"
@@ -67,7 +72,7 @@ def write_tiny_tokenizer(out: Path) -> int:
 
 
 def write_k3_text_processor(out: Path) -> Path:
-    """A --tokenizer-path directory for the synthetic K3 checkpoint: the tiny tokenizer (its 245
+    """A --tokenizer-path directory for the synthetic K3 checkpoint: the tiny tokenizer (its 250
     ids fit the synthetic vocabulary of 256) and the test-only text processor SGLang's Kimi-K3
     multimodal processor needs (tests/fixtures/sglang_cpu/k3_processor)."""
     import shutil
@@ -80,27 +85,120 @@ def write_k3_text_processor(out: Path) -> Path:
     return out
 
 
-def write_tiny_llama(out: Path, *, seed: int = 0, perturb_lm_head: float = 0.0) -> Path:
-    """A random 2-layer Llama (hidden 64) in bf16 with the tiny tokenizer. Its lm_head is scaled
-    up so that next-token distributions are peaked (random logits are nearly uniform, and any
-    perturbation would flip every argmax); perturb_lm_head adds noise of that size relative to
-    lm_head's spread (seeded), so that a second arm agrees with the first on some greedy tokens
-    and not on others."""
+# The hand-built Llama of write_tiny_llama: where each part lives in its residual stream (64 dims).
+_MARK_ORDINARY, _MARK_USER, _MARK_ASSISTANT, _MARK_ANSWER = 0, 1, 2, 3  # which kind of token is current
+_CODE = slice(4, 48)  # an ordinary token's random code (its bigram identity)
+_PHASE_COS, _PHASE_SIN = 48, 49  # what layer 0's attention writes
+_HIDDEN, _HEAD_DIM = 64, 16
+BIGRAM_LOGIT_STD = 4.0  # spread of the logits after an ordinary token
+DESIGNED_GAP = 20.0  # how far every other token lies below the designed ones
+# The letters' logits after "Answer:" (within +-19): large enough that at the A/B's sampling
+# temperature (0.6, top_p 0.95) the top letter alone is sampled except within a few degrees of
+# a quadrant's edge (6% of phases; 10% with turn_letters=60). SGLang's per-request seed is used
+# only under --enable-deterministic-inference, which refuses the CPU's torch_native attention:
+# sampled seeds are not reproducible on CPU, so it is the model that makes their answers so.
+LETTER_SCALE = 12.0
+PHASE_AMPLITUDE = 3.0  # the RoPE score's amplitude (cos / sin of the distance in radians)
+PHASE_OFFSET = math.log(42)  # a constant score: |f_cos|, |f_sin| reach tanh(A / 2) at a distance of 42
+# Letter -> the direction (degrees) of the prompt's phase it answers: the quadrants' middles.
+_LETTER_DIRECTIONS = {"A": 45.0, "B": 135.0, "C": 225.0, "D": 315.0}
+
+
+def write_tiny_llama(out: Path, *, seed: int = 0, perturb_lm_head: float = 0.0, turn_letters: float = 0.0) -> Path:
+    """A 2-layer Llama (hidden 64, bf16) over the tiny tokenizer, built by hand (not trained): to
+    any chat prompt it writes an answer line, "Answer: X", X one of A-D set by the prompt, then a
+    seeded random chain of words. Deterministic for a given ``seed``.
+
+    Residual stream: dims 0-3 mark the current token (an ordinary one: 2 in dim 0; <|user|>,
+    <|assistant|>, "Answer:": 8 in dim 1, 2, 3), dims 4-47 hold an ordinary token's random code,
+    dims 48-49 take layer 0's attention; every embedding has norm 8 (RMS 1, so the norms, all
+    ones, leave it as it is). Every weight not named here is zero: layer 1 and both MLPs add
+    nothing. lm_head reads the final norm's output:
+    - after <|assistant|> (every chat prompt ends with it): "Answer:", every other token
+      DESIGNED_GAP below;
+    - after "Answer:": a letter, every other token DESIGNED_GAP below. Which letter, layer 0
+      decides: its four heads look from "Answer:" at <|user|> (the prompt's first token, the
+      only one with a key and a value) through RoPE's 1 rad/position pair, with scores
+      +-A cos d + c (heads 0, 2) and +-A sin d + c (heads 1, 3), d the distance in positions,
+      A = PHASE_AMPLITUDE, c = PHASE_OFFSET (on the slowest pair: under 0.2 rad within 512
+      positions); the d other tokens score 0. Head 0 minus head 2, f_cos = s(A cos d + c - ln d)
+      - s(-A cos d + c - ln d) (s the logistic function), has the sign of cos d, f_sin that of
+      sin d; letter X's logit is LETTER_SCALE sqrt(2) (f_cos, f_sin) . (cos, sin)(its direction
+      in _LETTER_DIRECTIONS + ``turn_letters`` degrees), so the letter is the quadrant of d mod
+      2 pi: A for the first. The words of a real question are <unk> here (but a lone A-D), and
+      only <|user|> is looked at, so a question shows through its length: d is the user
+      message's length in tokens plus 2, and a word more turns it by 1 rad (57 degrees);
+    - after any other token: BIGRAM_LOGIT_STD (g_next . code_current / |code|) for the words
+      w000..w239, g seeded normal vectors: a random bigram chain, with peaked next-token
+      distributions; letters, "Answer:" and the specials DESIGNED_GAP below (EOS too: every
+      completion runs to max_tokens, as the timeout and kill tests need).
+
+    ``perturb_lm_head`` adds seeded (seed + 1) normal noise to every lm_head weight, sized to
+    move each logit by perturb_lm_head * BIGRAM_LOGIT_STD (std): with 0.1 a second arm writes
+    "Answer:" and a letter as the first does, and follows its chains for a few words.
+    ``turn_letters`` turns the letters' directions: with 60 a second arm answers as the first
+    where d mod pi/2 is over 60 degrees (about a third of prompts), the letter before (D for A)
+    elsewhere."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_tiny_tokenizer(out)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    n = write_tiny_tokenizer(out)
+    ids = {t: i for i, t in enumerate(TINY_VOCAB)}
+    cfg = LlamaConfig(vocab_size=n, hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, torch_dtype="bfloat16")
     model = LlamaForCausalLM(cfg)
-    w = model.lm_head.weight.data
-    w *= 40.0
-    if perturb_lm_head:
-        g = torch.Generator().manual_seed(seed + 1)
-        w += perturb_lm_head * w.std() * torch.randn(w.shape, generator=g)
+    mark = {ids["<|user|>"]: _MARK_USER, ids["<|assistant|>"]: _MARK_ASSISTANT, ids["Answer:"]: _MARK_ANSWER}
+    letters = {ids[x]: x for x in _LETTER_DIRECTIONS}
+    specials = {ids[t] for t in SPECIALS}
+    big, small = math.sqrt(_HIDDEN), 2.0  # a mark's value; the ordinary mark's (the code takes the rest)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if "norm" in name else 0.0)
+        emb = model.model.embed_tokens.weight
+        code = torch.randn(n, _CODE.stop - _CODE.start, generator=g)
+        code *= math.sqrt(_HIDDEN - small ** 2) / code.norm(dim=1, keepdim=True)
+        for t in range(n):
+            if t in mark:
+                emb[t, mark[t]] = big
+            else:
+                emb[t, _MARK_ORDINARY], emb[t, _CODE] = small, code[t]
+        # Layer 0: keys and values from <|user|> only, queries from "Answer:" only; x sqrt(head_dim)
+        # undoes the attention's 1/sqrt(head_dim). In a head, RoPE pairs dims (i, i + 8) at
+        # 10000^(-i/8) rad/position: pair 0 turns 1 rad/position, pair 7 0.0003.
+        att, hd = model.model.layers[0].self_attn, _HEAD_DIM
+        for kv in (0, 1):
+            att.k_proj.weight[kv * hd + 0, _MARK_USER] = 1 / big
+            att.k_proj.weight[kv * hd + 7, _MARK_USER] = 1 / big
+            att.v_proj.weight[kv * hd + 0, _MARK_USER] = 1 / big
+        amp, off = math.sqrt(hd) * PHASE_AMPLITUDE / big, math.sqrt(hd) * PHASE_OFFSET / big
+        # (head, query dim, sign): q . R(-d) k with k = (1, 0) in pair 0 is q0 cos d - q8 sin d.
+        for head, dim, sign in ((0, 0, 1), (1, 8, -1), (2, 0, -1), (3, 8, 1)):
+            att.q_proj.weight[head * hd + dim, _MARK_ANSWER] = sign * amp
+            att.q_proj.weight[head * hd + 7, _MARK_ANSWER] = off
+        att.o_proj.weight[_PHASE_COS, 0 * hd], att.o_proj.weight[_PHASE_COS, 2 * hd] = 1.0, -1.0
+        att.o_proj.weight[_PHASE_SIN, 1 * hd], att.o_proj.weight[_PHASE_SIN, 3 * hd] = 1.0, -1.0
+        # lm_head, on the final norm's output (the embedding plus f_cos, f_sin, RMS about 1).
+        w = model.lm_head.weight
+        gap = DESIGNED_GAP
+        for t in range(n):
+            if t != ids["Answer:"]:
+                w[t, _MARK_ASSISTANT] = -gap / big
+            if t not in letters:
+                w[t, _MARK_ANSWER] = -gap / big
+            if t in specials or t in letters or t == ids["Answer:"]:
+                w[t, _MARK_ORDINARY] = -gap / small
+            else:  # a word
+                w[t, _CODE] = BIGRAM_LOGIT_STD / math.sqrt(_HIDDEN - small ** 2) * torch.randn(
+                    _CODE.stop - _CODE.start, generator=g)
+        for t, x in letters.items():
+            a = math.radians(_LETTER_DIRECTIONS[x] + turn_letters)
+            w[t, _PHASE_COS], w[t, _PHASE_SIN] = (LETTER_SCALE * math.sqrt(2) * f(a) for f in (math.cos, math.sin))
+        if perturb_lm_head:
+            noise = torch.Generator().manual_seed(seed + 1)
+            w += perturb_lm_head * BIGRAM_LOGIT_STD / big * torch.randn(w.shape, generator=noise)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     return out

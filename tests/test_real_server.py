@@ -1,13 +1,16 @@
-"""The A/B serve tool against real SGLang servers (tiny random Llamas on CPU), not fake ones.
+"""The A/B serve tool against real SGLang servers (tiny hand-built Llamas on CPU), not fake ones.
 
 Two ``sglang.launch_server`` processes (tests/real_server.py: the production command builder's
 arguments for one node, plus CPU flags, with the sgl_kernel stand-in of tests/fixtures/sglang_cpu)
-serve arm A and arm B: the same random Llama, B with its lm_head perturbed, so their greedy
-streams share some tokens and not others. The report is checked against values computed here
-from the servers' own answers; GPQA's CSV and NeMo-Skills' JSONL (made-up fixtures) run through
-both arms with every statistic of the report recomputed from completions.jsonl; then three
-faults against a real server: a request it rejects, a timeout, and a server killed mid-run.
-What only a GPU can show (K3 accuracy, the kernels' speed) is not here: docs/ab.md.
+serve arm A and arm B: the same tiny Llama (real_server.write_tiny_llama: it answers every chat
+prompt "Answer: X", the letter X set by the prompt's length, then follows a random bigram chain),
+B with its lm_head perturbed (noise, and its letters turned by 60 degrees), so their greedy
+streams share some tokens and not others, and their letters agree on some questions and not on
+others. The report is checked against values computed here from the servers' own answers;
+GPQA's CSV and NeMo-Skills' JSONL (made-up fixtures) run through both arms with every statistic
+of the report recomputed from completions.jsonl, and none of them degenerate; then three faults
+against a real server: a request it rejects, a timeout, and a server killed mid-run. What only a
+GPU can show (K3 accuracy, the kernels' speed) is not here: docs/ab.md.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def servers(tmp_path_factory):
     """Arms A and B, started together (each waits ~20-40 s for its model on 2 cores)."""
     d = tmp_path_factory.mktemp("llamas")
     a = SGLangServer(write_tiny_llama(d / "a", seed=0), d / "a.log")
-    b = SGLangServer(write_tiny_llama(d / "b", seed=0, perturb_lm_head=0.1), d / "b.log")
+    b = SGLangServer(write_tiny_llama(d / "b", seed=0, perturb_lm_head=0.1, turn_letters=60.0), d / "b.log")
     started = []
     try:
         for s in (a, b):
@@ -146,8 +149,15 @@ def _check_gpqa_report(out, gold: dict[str, str]) -> dict:
     assert len(rows) == 2 * len(qs) * GPQA_SEEDS and set(by) == {(a, s, q) for a in "ab" for s in seeds for q in qs}
     for r in rows:
         assert r["finish_reason"] in ("stop", "length") and 0 < r["completion_tokens"] <= GPQA_MAX_TOKENS
-        # The tiny word-level vocabulary (w000..w239) cannot spell "Answer: X": no answer, no grade.
-        assert r["answer"] is None and not re.search(r"Answer\s*:\s*[A-D]", r["content"] or "")
+        # The tiny Llama opens every completion with an answer line, and never a think-end tag: the
+        # production launch's reasoning parser (kimi_k3) returns it all as reasoning_content, where
+        # the answer is read when content is empty. The graded answer is its letter.
+        assert not r["content"] and r["answer_source"] == "reasoning_content"
+        assert re.match(r"\s*Answer: [A-D] ", r["reasoning_content"]), r["reasoning_content"]
+        assert r["answer"] == re.findall(r"Answer: ([A-D])(?![A-Za-z0-9])", r["reasoning_content"])[-1]
+    # Confident letters: the sampled seed answers as the greedy one (SGLang on CPU does not use the
+    # request's seed, so this is what makes a rerun's report the same).
+    assert all(by[(a, s, q)]["answer"] == by[(a, 0, q)]["answer"] for a in "ab" for s in seeds for q in qs)
     grades = {a: [[float(by[(a, s, q)]["answer"] == gold[q]) for s in seeds] for q in qs] for a in "ab"}
     for a in "ab":
         st = rep["accuracy"][a]["all_graded"]
@@ -202,15 +212,23 @@ def _check_gpqa_report(out, gold: dict[str, str]) -> dict:
     assert math.isclose(c["mcnemar"]["p_value"], p)
     resolved = c["ci95_pp"][0] > 0 or c["ci95_pp"][1] < 0
     assert c["verdict"].startswith("no difference resolved") != resolved and c["verdict"] in (out / "summary.md").read_text()
+    # Not degenerate: an arm right on some answers and wrong on others, every answer extracted, the
+    # arms' greedy letters apart on some question and their grades on one at least (McNemar), and
+    # an interval of non-zero width.
+    assert any(0 < rep["accuracy"][a]["all_graded"]["pass@1"] < 1 for a in "ab")
+    assert all(rep["accuracy"][a]["all_graded"]["empty_answer_rate"] == 0 for a in "ab")
+    assert any(by[("a", 0, q)]["answer"] != by[("b", 0, q)]["answer"] for q in qs) and a_only + b_only > 0
+    assert c["ci95_pp"][0] < c["ci95_pp"][1]
     return rep
 
 
 @pytest.mark.parametrize("name", ["gpqa_sample.csv", "nemo_skills_gpqa_sample.jsonl"])
 def test_gpqa_formats_through_both_arms(servers, tmp_path, name):
     """GPQA's CSV and NeMo-Skills' JSONL (made-up fixtures) through both real servers, 2 seeds,
-    8 new tokens: the report's statistics recomputed from completions.jsonl. The random models
-    never write an answer line, so accuracy is 0 on both arms; the statistics with non-zero
-    values on a planted drop are tests/test_ab_datasets.py's (fake servers) and test_ab_stats.py's."""
+    8 new tokens: the report's statistics recomputed from completions.jsonl. Every completion
+    answers (the tiny Llama's "Answer: X", X from the prompt's length), arm B's letters turned by
+    60 degrees from A's: measured, greedy A 2/4 right and B 1/4 on the CSV (McNemar 2 / 1),
+    A 1/4 and B 0/4 on the JSONL (1 / 0). A planted drop on 20 questions: test_ab_datasets.py."""
     a, b = servers
     path = GPQA_FIXTURES / name
     out = tmp_path / "ab"
