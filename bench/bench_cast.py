@@ -43,6 +43,25 @@ TARGETS = {"cast_vs_copy": 0.9, "cast_verify_vs_copy": 0.7}
 K3_EXPERT = dict(hidden_size=3584, intermediate_size=3072)
 
 
+def _run_header(benchmark: str, host: str, scratch: Path, dropped: list[bool], load_before, load_after) -> dict:
+    """The fields every result JSON of this script starts with: what ran where, when, on which
+    disk, whether the page cache was dropped before each step, and the machine's load."""
+    return {
+        "benchmark": benchmark,
+        "host": host,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "versions": _versions(),
+        "disk": _disk(scratch),
+        "page_cache_dropped": all(dropped),
+        "page_cache_note": "sync + echo 3 > /proc/sys/vm/drop_caches before each step"
+        if all(dropped) else "drop_caches not permitted: reads may be served from the page cache",
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+    }
+
+
 def time_copy(shards: list[Path], copy_dir: Path) -> float:
     """Seconds to copy every shard into copy_dir and fsync it (the storage path's own speed, the
     cast's yardstick); copy_dir is removed afterwards."""
@@ -201,19 +220,8 @@ def ranks_main(args, src: Path, src_bytes: int, shards: list[Path], gen_s: float
     identical = all(h == hashes["one_rank"] for h in hashes.values())
     host = socket.gethostname()
     doc = {
-        "benchmark": "bench/bench_cast.py --ranks",
-        "host": host,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
+        **_run_header("bench/bench_cast.py --ranks", host, args.scratch, dropped, load_before, os.getloadavg()),
         "ranks": n,
-        "platform": platform.platform(),
-        "versions": _versions(),
-        "disk": _disk(args.scratch),
-        "page_cache_dropped": all(dropped),
-        "page_cache_note": "sync + echo 3 > /proc/sys/vm/drop_caches before each step"
-        if all(dropped) else "drop_caches not permitted: reads may be served from the page cache",
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
         "load_note": "one machine, its ranks share its cores and its disk; see load averages for other jobs",
         "source": {"bytes": src_bytes, "shards": len(shards), "generation_seconds": gen_s,
                    "expert_shapes": "w1/w3 [3072, 3584], w2 [3584, 3072] (K3)"},
@@ -313,19 +321,8 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()
     host = socket.gethostname()
     doc = {
-        "benchmark": "bench/bench_cast.py",
-        "host": host,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
+        **_run_header("bench/bench_cast.py", host, args.scratch, dropped, load_before, load_after),
         "workers": args.workers,
-        "platform": platform.platform(),
-        "versions": _versions(),
-        "disk": _disk(args.scratch),
-        "page_cache_dropped": all(dropped),
-        "page_cache_note": "sync + echo 3 > /proc/sys/vm/drop_caches before each step"
-        if all(dropped) else "drop_caches not permitted: reads may be served from the page cache",
-        "load_average_before": load_before,
-        "load_average_after": load_after,
         "load_note": "2-core machine shared with other jobs during the run; see load averages",
         "source": {"bytes": src_bytes, "shards": len(shards), "moe_layers": moe_layers, "experts_per_layer": experts,
                    "expert_shapes": "w1/w3 [3072, 3584], w2 [3584, 3072] (K3)", "generation_seconds": gen_s,
