@@ -77,9 +77,11 @@ class Completion:
     latency_s: float  # from the first attempt's start to the parsed answer (retry waits included)
     prompt_tokens: int | None = None  # the server's usage.prompt_tokens
     attempts: int = 1  # HTTP attempts this answer took (1 = no retry)
+    started_s: float | None = None  # time.perf_counter() when the request was sent (None: not sent by ChatClient)
 
 
-def parse_completion(body: Any, *, where: str, latency_s: float = 0.0, attempts: int = 1) -> Completion:
+def parse_completion(body: Any, *, where: str, latency_s: float = 0.0, attempts: int = 1,
+                     started_s: float | None = None) -> Completion:
     """Validate a decoded chat-completion body and extract choices[0]. Raises MalformedResponse."""
     if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
         keys = sorted(body) if isinstance(body, dict) else type(body).__name__
@@ -108,6 +110,7 @@ def parse_completion(body: Any, *, where: str, latency_s: float = 0.0, attempts:
         latency_s=latency_s,
         prompt_tokens=usage.get("prompt_tokens"),
         attempts=attempts,
+        started_s=started_s,
     )
 
 
@@ -203,7 +206,7 @@ class ChatClient:
         t0 = time.perf_counter()
         ans = await self.request(http, "POST", "/v1/chat/completions", dict(payload, stream=False))
         return parse_completion(ans.body, where=f"arm '{self.name}' ({self.base_url}/v1/chat/completions)",
-                                latency_s=time.perf_counter() - t0, attempts=ans.attempts)
+                                latency_s=time.perf_counter() - t0, attempts=ans.attempts, started_s=t0)
 
     async def _once(self, method: str, *args):
         async with self.session() as http:

@@ -76,7 +76,7 @@ class RequestResult:
     content_chars: int
     reasoning_chars: int
     latency_s: float
-    start_s: float  # request start and end, s after the run's start (end: when its answer was stored)
+    start_s: float  # request start and end, s after the run's start (end = start + latency_s)
     end_s: float
 
 
@@ -200,20 +200,6 @@ async def _run_all_async(jobs: list[tuple[ChatClient, dict, tuple]], concurrency
             bar.close()
 
 
-class _ArrivalLog(dict):
-    """The completions dict the request loop fills (key -> Completion), stamping when each is
-    stored: a request's end, from which its start is end - latency_s (speed.py's wall span).
-    The loop stores each answer as it arrives (what partial.json relies on too)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.arrived: dict[tuple, float] = {}
-
-    def __setitem__(self, key, value) -> None:
-        self.arrived[key] = time.perf_counter()
-        super().__setitem__(key, value)
-
-
 def _config_dict(cfg: ServeConfig) -> dict:
     """The run's options as JSON values (paths as strings), for report.json and partial.json."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
@@ -261,7 +247,7 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
     jobs = [(c, _payload(cfg, arms_info[c.name]["model"], p, s), (c.name, s, p.id))
             for s in range(cfg.seeds) for c in clients for p in prompts]
     t0 = time.perf_counter()
-    comps = _ArrivalLog()
+    comps: dict[tuple, Completion] = {}
     try:
         _run_all(jobs, cfg.concurrency, cfg.progress, comps)
     except ABError as e:
@@ -275,11 +261,11 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
     for (arm, seed, pid), comp in comps.items():
         p = by_id[pid]
         ans, source = response_answer(comp.content, comp.reasoning_content, p.kind, p.num_choices)
-        end = comps.arrived.get((arm, seed, pid), t0 + wall) - t0
+        start = comp.started_s - t0  # the span speed.py's aggregate rate divides by
         results[(arm, seed, pid)] = RequestResult(
             arm, seed, pid, comp.finish_reason, ans, source, None if p.answer is None else ans == p.answer,
             comp.finish_reason == "length", comp.completion_tokens, len(comp.content or ""),
-            len(comp.reasoning_content or ""), comp.latency_s, max(0.0, end - comp.latency_s), end)
+            len(comp.reasoning_content or ""), comp.latency_s, start, start + comp.latency_s)
 
     a, b = clients[0].name, clients[1].name
     # Greedy pass (seed 0): answer agreement and token-level agreement.
