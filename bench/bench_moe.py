@@ -30,7 +30,7 @@ Per point (shape, M):
             FlashInfer's SiTU MoE where it runs (k3nvfp4.sglang_ext.ab.flashinfer_arm: SM90
             cutlass_fused_moe W4A16 on MXFP4 experts, H and I multiples of 128, so ep16 and not
             tp16; SM100 its NVFP4 x NVFP4 path), on random MXFP4 experts of the shape, checked
-            against the reference on those experts first (FlashInfer issue 4597: a wrong
+            against the reference on those experts first (FlashInfer #4597: a wrong
             activation on this path would show as its error); x_vs_flashinfer = FlashInfer time /
             our time. Elsewhere "not available: why".
 Weights: one scale_2 for w1 and w3 of an expert (as the K3 cast writes them and marlin needs).
@@ -363,7 +363,7 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
     """(FlashInferMoE, None) when FlashInfer's SiTU MoE (SM90 W4A16; SM100 NVFP4 x NVFP4) runs this
     shape and its output at the check M (NaN-poisoned) is within tolerance of the reference on the
     same MXFP4 experts; else (None, why). Its error is recorded either way: it is what tells
-    whether FlashInfer ran SiTU (FlashInfer issue 4597), never assumed."""
+    whether FlashInfer ran SiTU (FlashInfer #4597), never assumed."""
     from k3nvfp4.kernels import fused_moe_nvfp4_reference
     from k3nvfp4.kernels.tune import normwise_error
     from k3nvfp4.sglang_ext.ab.flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights
@@ -399,16 +399,17 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
                           "weights": "random MXFP4 experts (mxfp4_bench_weights), the reference on the same experts"}
     if not err <= tol:
         return None, (f"not timed: failed its check (normwise error {err:.3g} > {tol} vs the reference on "
-                      "the same MXFP4 experts; a wrong activation, FlashInfer issue 4597, would look like this)")
+                      "the same MXFP4 experts; a wrong activation, FlashInfer #4597, would look like this)")
     return fi, None
 
 
-def time_flashinfer(torch, fi, x, tw, ids, shape, M: int, timer, nbytes: int, no_graph: bool) -> dict:
-    """One FlashInfer call timed like ours (graph replay when capture works; the eager time too)."""
+def time_peer(torch, peer, x, tw, ids, shape, M: int, timer, nbytes: int, no_graph: bool, what: str) -> dict:
+    """One call of a peer MoE (``peer(x_bf16, topk_weights, topk_ids, out=...)``: marlin,
+    FlashInfer) timed like ours (graph replay when capture works; the eager time too)."""
     xb = x.to(torch.bfloat16)
     out = torch.empty(M, shape.H, dtype=torch.bfloat16, device=x.device)
-    call = lambda: fi(xb, tw, ids, out=out)  # noqa: E731
-    t, n, t_eager, mode, why = time_call(torch, call, out, timer, use_graph=not no_graph, what="flashinfer")
+    call = lambda: peer(xb, tw, ids, out=out)  # noqa: E731
+    t, n, t_eager, mode, why = time_call(torch, call, out, timer, use_graph=not no_graph, what=what)
     res = {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "GBps": nbytes / t / 1e9,
            "pct_bw": 100 * nbytes / t / (H200_BW_TBPS * 1e12), "bytes": nbytes}
     if why:
@@ -434,25 +435,16 @@ def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, t
 
 
 def time_marlin(torch, marlin, x, tw, ids, shape, M: int, timer, nbytes: int, no_graph: bool) -> dict:
-    """One marlin MoE call timed like ours (graph replay when capture works; the eager time too),
-    plus the routing alignment alone and which alignment kernel SGLang would run here."""
+    """time_peer for marlin, plus the routing alignment alone and which alignment kernel SGLang
+    would run here."""
     from peers.marlin.moe import align_path, moe_block_size
 
-    xb = x.to(torch.bfloat16)
-    out = torch.empty(M, shape.H, dtype=torch.bfloat16, device=x.device)
-    call = lambda: marlin(xb, tw, ids, out=out)  # noqa: E731
-    t, n, t_eager, mode, why = time_call(torch, call, out, timer, use_graph=not no_graph, what="marlin")
+    res = time_peer(torch, marlin, x, tw, ids, shape, M, timer, nbytes, no_graph, "marlin")
     block = moe_block_size(M, shape.top_k, shape.E)
     t_align, _ = timer.measure(lambda: marlin.align(ids, block))
     sglang_align, here_align = align_path(M, shape.top_k, shape.global_experts, marlin.is_ep)
-    res = {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "GBps": nbytes / t / 1e9,
-           "pct_bw": 100 * nbytes / t / (H200_BW_TBPS * 1e12), "moe_block_size": block,
-           "align_us": t_align * 1e6, "align_sglang": sglang_align, "align_here": here_align,
-           "bytes": nbytes}
-    if why:
-        res["graph_failure"] = why
+    res.update(moe_block_size=block, align_us=t_align * 1e6, align_sglang=sglang_align, align_here=here_align)
     return res
-
 
 def markdown_table(result: dict) -> str:
     """One row per point: ours, marlin, FlashInfer, bf16 and the ratios."""
@@ -706,8 +698,9 @@ def main(argv=None) -> int:
                     point["flashinfer"] = fi_skip
                 else:
                     try:
-                        point["flashinfer"] = time_flashinfer(torch, fi, x, tw, ids, shape, M, timer,
-                                                              nbytes[info["flashinfer"]["bytes_key"]], args.no_graph)
+                        point["flashinfer"] = time_peer(torch, fi, x, tw, ids, shape, M, timer,
+                                                        nbytes[info["flashinfer"]["bytes_key"]], args.no_graph,
+                                                        "flashinfer")
                         point["x_vs_flashinfer"] = point["flashinfer"]["time_us"] / ours_res["time_us"]
                     except Exception as e:  # reported per point; our figures stand
                         point["flashinfer"] = f"error: {type(e).__name__}: {str(e)[:400]}"

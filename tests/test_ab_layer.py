@@ -274,7 +274,7 @@ def test_layer_ab_on_gpu_all_arms(tmp_path):
 def test_layer_ab_flashinfer_arm_on_gpu(tmp_path):
     """On an MXFP4 layer with H, I multiples of 128: FlashInfer runs (SM90, flashinfer installed and
     its MoE module built) or says why not; when it runs, its error against the reference is in the
-    report (whether it computed SiTU is what that number tells: FlashInfer issue 4597)."""
+    report (whether it computed SiTU is what that number tells: FlashInfer #4597)."""
     from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
 
     mx = write_synthetic_checkpoint(tmp_path / "mx", num_layers=2, num_experts=8, hidden_size=256,

@@ -24,7 +24,7 @@ reason. An unavailable arm is reported as such and never replaced by another one
                needs MXFP4-exact experts: the release or its cast), H and I multiples of 128 (the
                K3 EP shards); on SM100/SM103 cutlass_fused_moe NVFP4 x NVFP4 (W4A4) on the NVFP4
                experts; elsewhere "not available: <reason>". Its error against the reference is
-               how a user sees whether FlashInfer ran SiTU (FlashInfer issue 4597).
+               how a user sees whether FlashInfer ran SiTU (FlashInfer #4597).
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
         path = ("cutlass_fused_moe NVFP4 x NVFP4 (SM100, W4A4): the layer's NVFP4 experts, activations quantized to "
                 "NVFP4 by FlashInfer (global scale 448*6/amax(x) per call); compare with triton_situ:nvfp4")
     act = ("ActivationType.Situ with per-expert situ_beta / situ_linear_beta; whether it ran SiTU is its error "
-           "against the reference (FlashInfer issue 4597)" if ex.hidden_act == "situ" else "SwiGLU (SiLU)")
+           "against the reference (FlashInfer #4597)" if ex.hidden_act == "situ" else "SwiGLU (SiLU)")
     return (lambda x, tw, ids: run(x, tw, ids)), [f"flashinfer {flashinfer.__version__} {path}; {act}"]
 
 

@@ -19,7 +19,7 @@ Where it runs (installed FlashInfer 0.7.x, read from its sources):
   ``backend="cake"``, takes the K3 TP8 shard only and its own shuffled layout: not driven here.)
 - anything else: ``not available: <reason>``.
 
-FlashInfer issue 4597 reports that the SM90 MXFP4 path could silently run another activation in
+FlashInfer #4597 reports that the SM90 MXFP4 path could silently run another activation in
 place of SiTU; the installed 0.7.2 sources list ``SituAdaptor`` at index 10 of ``doActivation``'s
 table, but only the arm's error against the plain-torch reference shows what the kernel runs, so
 the layer A/B reports that error and never assumes it.
@@ -188,6 +188,15 @@ def sm90_call_kwargs(p: PreparedSM90, x: torch.Tensor, topk_weights: torch.Tenso
     return kw
 
 
+def _activation_reason(activation: str, situ_linear_beta: float | None) -> str | None:
+    """Why FlashInfer's CUTLASS MoE (either path) cannot run this activation, or None."""
+    if activation not in ("situ", "silu"):
+        return f"activation {activation!r}: this arm runs SiTU or SiLU"
+    if activation == "situ" and situ_linear_beta is None:
+        return "SiTU without linear_beta: FlashInfer's CUTLASS SiTU always caps the up branch (no encoding for none)"
+    return None
+
+
 def sm90_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: int, activation: str,
                       situ_linear_beta: float | None) -> str | None:
     """Why the SM90 W4A16 path cannot take this layer (dtype, shape, activation), or None."""
@@ -197,11 +206,7 @@ def sm90_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: i
     if bad:
         return (f"FlashInfer's SM90 W4A16 MoE needs H and I multiples of {SM90_SHAPE_MULTIPLE} (the K3 EP shards; "
                 f"not TP16's I = 192): {', '.join(bad)}")
-    if activation not in ("situ", "silu"):
-        return f"activation {activation!r}: this arm runs SiTU or SiLU"
-    if activation == "situ" and situ_linear_beta is None:
-        return "SiTU without linear_beta: FlashInfer's CUTLASS SiTU always caps the up branch (no encoding for none)"
-    return None
+    return _activation_reason(activation, situ_linear_beta)
 
 
 def sm100_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: int, activation: str,
@@ -212,11 +217,7 @@ def sm100_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: 
     bad = [f"{n} = {v}" for n, v in (("H", hidden_size), ("I", intermediate_size)) if v % SM100_SHAPE_MULTIPLE]
     if bad:
         return f"FlashInfer's SM100 NVFP4 MoE needs H and I multiples of {SM100_SHAPE_MULTIPLE} here: {', '.join(bad)}"
-    if activation not in ("situ", "silu"):
-        return f"activation {activation!r}: this arm runs SiTU or SiLU"
-    if activation == "situ" and situ_linear_beta is None:
-        return "SiTU without linear_beta: FlashInfer's CUTLASS SiTU always caps the up branch (no encoding for none)"
-    return None
+    return _activation_reason(activation, situ_linear_beta)
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int,
