@@ -285,6 +285,17 @@ def bench_weights(shape, device, seed: int):
 # --------------------------------------------------------------------------------------------
 
 
+def peer_check_error(torch, peer, xb, tw, ids, H: int, ref) -> float:
+    """Normwise error against ``ref`` of one peer call into a NaN-poisoned bf16 [M, H] output (a
+    row the peer never writes shows up as NaN, not as a stale value)."""
+    from k3nvfp4.kernels.tune import normwise_error
+
+    out = torch.full((xb.shape[0], H), float("nan"), dtype=torch.bfloat16, device=xb.device)
+    peer(xb, tw, ids, out=out)
+    torch.cuda.synchronize()
+    return normwise_error(out, ref)
+
+
 MARLIN_TOL = 2e-2  # bf16, normwise, as our kernel's
 
 
@@ -294,7 +305,6 @@ def marlin_arm(torch, lib, weights, shape, x, tw, ids, ref, info: dict):
     else (None, why): a failing arm is reported, not timed."""
     from peers.marlin.moe import MarlinMoE
     from peers.marlin.prepare import prepare_marlin_weights
-    from k3nvfp4.kernels.tune import normwise_error
 
     try:
         t0 = time.monotonic()
@@ -302,10 +312,7 @@ def marlin_arm(torch, lib, weights, shape, x, tw, ids, ref, info: dict):
         torch.cuda.synchronize()
         prep_s = time.monotonic() - t0
         marlin = MarlinMoE(lib, mw, global_experts=shape.global_experts)
-        out = torch.full((x.shape[0], shape.H), float("nan"), dtype=torch.bfloat16, device=x.device)
-        marlin(x.to(torch.bfloat16), tw, ids, out=out)
-        torch.cuda.synchronize()
-        err = normwise_error(out, ref)
+        err = peer_check_error(torch, marlin, x.to(torch.bfloat16), tw, ids, shape.H, ref)
     except Exception as e:
         info["marlin"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
         return None, f"not timed: {info['marlin']['error']}"
@@ -365,7 +372,6 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
     same MXFP4 experts; else (None, why). Its error is recorded either way: it is what tells
     whether FlashInfer ran SiTU (FlashInfer #4597), never assumed."""
     from k3nvfp4.kernels import fused_moe_nvfp4_reference
-    from k3nvfp4.kernels.tune import normwise_error
     from k3nvfp4.sglang_ext.ab.flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights
 
     why = flashinfer_status(torch, shape, device)
@@ -383,10 +389,7 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
         prep_s = time.monotonic() - t0
         xb = x.to(torch.bfloat16)
         ref = fused_moe_nvfp4_reference(xb, w, tw, ids).float()
-        out = torch.full((x.shape[0], shape.H), float("nan"), dtype=torch.bfloat16, device=x.device)
-        fi(xb, tw, ids, out=out)
-        torch.cuda.synchronize()
-        err = normwise_error(out, ref)
+        err = peer_check_error(torch, fi, xb, tw, ids, shape.H, ref)
     except Exception as e:
         info["flashinfer"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:600]}"}
         return None, f"not timed: {info['flashinfer']['error']}"
