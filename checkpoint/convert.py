@@ -17,9 +17,10 @@ shard committed), verify, final. Each shard's record is written by the rank that
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
 import json
-import collections
 import mmap
 import multiprocessing as mp
 import os
@@ -32,7 +33,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -45,6 +46,8 @@ from .coordinator import Coordinator, RankFailure, RankMismatch, Solo
 from .plan import CastPlan, ExpertMatrix, ShardPlan, ShardTask, SourceRef, fingerprint_differences, plan_cast
 from .rank_checks import (check_launch_token, coverage_problems, launch_differences, launch_info, plan_totals,
                           write_launch_token)
+from .records import (ALogCheck, CastMessage, LaunchInfo, Prepared, RankRow, RecordError, ShardRecord, VerifyMessage,
+                      VerifyResult, VerifySummary, cast_stats_from_json)
 from .ranks import Terminated, assign_shards
 from .quant_config import hf_quant_config, output_config
 from .safetensors_io import CheckpointError, MappedShards, StreamingWriter, read_tensor, write_atomic_text
@@ -143,22 +146,17 @@ def _cast_group(files: _Files, task: ShardTask, members: list[ExpertMatrix]) -> 
     return tensors, stats, nbytes
 
 
-def check_a_log(t: torch.Tensor, name: str, num_heads: int | None) -> dict:
-    """Report on one KDA A_log: the elements beyond num_heads must be exactly zero."""
-    rep = {"name": name, "shape": list(t.shape), "num_heads": num_heads}
+def check_a_log(t: torch.Tensor, name: str, num_heads: int | None) -> ALogCheck:
+    """Check one KDA A_log: the elements beyond num_heads must be exactly zero."""
     if num_heads is None or t.dim() != 1 or t.shape[0] < num_heads:
-        rep.update(padding_elements=None, padding_all_zero=None, note="unexpected shape; carried as is")
-        return rep
+        return ALogCheck(name, list(t.shape), num_heads, note="unexpected shape; carried as is")
     pad = t[num_heads:].float()
-    rep.update(
-        padding_elements=int(pad.numel()),
-        padding_all_zero=bool((pad == 0).all()),
-        padding_max_abs=float(pad.abs().max()) if pad.numel() else 0.0,
-    )
-    return rep
+    return ALogCheck(name, list(t.shape), num_heads, padding_elements=int(pad.numel()),
+                     padding_all_zero=bool((pad == 0).all()),
+                     padding_max_abs=float(pad.abs().max()) if pad.numel() else 0.0)
 
 
-def cast_shard(task: ShardTask) -> dict:
+def cast_shard(task: ShardTask) -> ShardRecord:
     """Write one output shard (see module docstring). Returns its record."""
     t0 = time.perf_counter()
     files = _Files(task.source)
@@ -183,13 +181,12 @@ def cast_shard(task: ShardTask) -> dict:
                 elif it.kind == "a_log_trim":
                     t = _read(files, it.src)
                     rep = check_a_log(t, it.spec.name, task.num_heads)
-                    if not rep["padding_all_zero"]:
+                    if not rep.padding_all_zero:
                         raise CheckpointError(
                             f"{task.source / it.src.shard}: tensor {it.spec.name}: elements [{task.num_heads}:] are not "
-                            f"all zero (max |x| {rep['padding_max_abs']:g}); --trim-a-log would drop trained values"
+                            f"all zero (max |x| {rep.padding_max_abs:g}); --trim-a-log would drop trained values"
                         )
-                    rep["trimmed_to"] = task.num_heads
-                    a_logs.append(rep)
+                    a_logs.append(dataclasses.replace(rep, trimmed_to=task.num_heads))
                     writer.write_tensor(it.spec.name, t[: task.num_heads].contiguous())
                     _progress.report(it.src.entry.nbytes)
                 else:
@@ -223,19 +220,9 @@ def cast_shard(task: ShardTask) -> dict:
             verify = verify_shard(task, groups="local")
         finally:
             _progress.set_sink(saved)
-    return {
-        "pid": os.getpid(),
-        "verify": verify,
-        "cast_seconds": cast_seconds,
-        "shard": plan.name,
-        "source_bytes": plan.source_bytes,
-        "extra_bytes_read": extra_read,
-        "output_bytes": out_size,
-        "matrices": matrices,
-        "stats": stats.to_dict(),
-        "a_log": a_logs,
-        "seconds": time.perf_counter() - t0,
-    }
+    return ShardRecord(shard=plan.name, pid=os.getpid(), cast_seconds=cast_seconds, seconds=time.perf_counter() - t0,
+                       source_bytes=plan.source_bytes, extra_bytes_read=extra_read, output_bytes=out_size,
+                       matrices=matrices, stats=stats, a_log=a_logs, verify=verify)
 
 
 def _shard_task(plan: CastPlan, options: CastOptions, shard: ShardPlan) -> ShardTask:
@@ -324,7 +311,7 @@ class _Executor:
             self._pool = ctx.Pool(self.workers - 1, initializer=_init_worker, initargs=(self._queue,))
         return self._pool
 
-    def run(self, fn, tasks: list[ShardTask], total: int, desc: str, on_result: Callable[[dict], None]) -> None:
+    def run(self, fn, tasks: list[ShardTask], total: int, desc: str, on_result: Callable[[Any], None]) -> None:
         """Run ``fn`` over tasks with a bytes/s + ETA bar; ``on_result`` sees each result (in
         the main thread) as soon as its task is done. The first error stops the run."""
         todo = collections.deque(tasks)
@@ -543,8 +530,50 @@ def _remove_own_partials(out: Path, shards: list[str]) -> None:
         p.unlink(missing_ok=True)
 
 
+@dataclass
+class _Share:
+    """This rank's part of a cast, as the phases of _run_cast hand it on: the whole plan, this
+    rank's shards (``mine``), their finished records (resumed ones first, then each shard as
+    it is cast) and those still to cast (``todo``)."""
+
+    plan: CastPlan
+    mine: list[ShardPlan]
+    records: dict[str, ShardRecord]
+    todo: list[ShardPlan]
+
+
+@dataclass
+class _Gathered:
+    """What rank 0 gathered at the 'cast' and 'verify' exchanges, and the run's times."""
+
+    cast: list[CastMessage]
+    verify: list[VerifyMessage] | None
+    cast_seconds: float
+    verify_seconds: float
+
+
 def _run_cast(options: CastOptions, coord: Coordinator) -> dict:
     t_start = time.perf_counter()
+    plan, mine = _plan_and_compare(options, coord)
+    finished = _prepare(options, plan, coord)
+    if finished is not None:  # rank 0 found a finished cast of this source with these options
+        return _already_done(options, plan, finished, coord, mine)
+    share = _resume(options, plan, mine, coord)
+    rank_row = RankRow(rank=coord.rank, host=platform.node(), pid=os.getpid(), workers=options.workers,
+                       shards=[sp.name for sp in mine], cast_now=len(share.todo), resumed=len(share.records),
+                       bytes_cast_now=sum(sp.source_bytes for sp in share.todo))
+    gathered = _cast_and_verify(options, share, coord, rank_row)
+    if not coord.is_root:
+        coord.exchange("final", None, last=True)
+        return {"rank": rank_row.to_json(), "world_size": coord.world_size, "output": str(options.output.resolve())}
+    report = _finish(options, plan, coord, gathered, t_start)
+    coord.exchange("final", None, last=True)
+    return report
+
+
+def _plan_and_compare(options: CastOptions, coord: Coordinator) -> tuple[CastPlan, list[ShardPlan]]:
+    """Phase 1, every rank: plan the whole cast, take this rank's share of the shards, and (across
+    nodes) check that every rank planned the same cast with the same options."""
     src = options.source
     if not src.is_dir():
         raise CheckpointError(f"--source-ckpt {src}: not a directory")
@@ -553,132 +582,179 @@ def _run_cast(options: CastOptions, coord: Coordinator) -> dict:
     mine_names = set(assignment[coord.rank])
     mine = [sp for sp in plan.shards if sp.name in mine_names]
     if coord.distributed:
-        infos = coord.exchange("start", launch_info(options, plan, TOOL_VERSION))
-        diffs = launch_differences(infos, coord.who)
+        sent = coord.exchange("start", launch_info(options, plan, TOOL_VERSION).to_json())
+        diffs = launch_differences([LaunchInfo.from_json(d, f"{coord.who(r)}'s launch info")
+                                    for r, d in enumerate(sent)], coord.who)
         if diffs:
             raise RankMismatch(f"the ranks were not started alike: {'; '.join(diffs)}. Start every rank with the same "
                                "--source-ckpt contents, --output-ckpt directory and options")
-    # Rank 0 alone touches the output before the cast (refuse, resume, --overwrite, leftovers).
+    return plan, mine
+
+
+def _prepare(options: CastOptions, plan: CastPlan, coord: Coordinator) -> dict | None:
+    """Phase 2: rank 0 alone touches the output before the cast (refuse, resume, --overwrite,
+    leftovers); the other ranks check that they see the directory it prepared. Returns the
+    finished report where the output already is this cast, else None."""
     finished, token = None, None
     if coord.is_root:
-        state, finished = _prepare_output(options, plan)
+        _, finished = _prepare_output(options, plan)
         if finished is None:
             _remove_partials(options.output)  # leftovers of a killed run
         if coord.distributed:
             token = write_launch_token(options.output, coord.world_size)
-    prepared = coord.exchange("prepared", {"finished": finished is not None, "token": token,
-                                           "output": str(options.output.resolve())} if coord.is_root else None)[0]
-    state = options.output / STATE_DIR
+    mine = Prepared(finished is not None, token, str(options.output.resolve())).to_json() if coord.is_root else None
+    prepared = Prepared.from_json(coord.exchange("prepared", mine)[0], f"{coord.who(0)}'s prepared message")
     if coord.distributed:
         if not coord.is_root:
-            check_launch_token(options.output, prepared["token"], prepared["output"])
+            check_launch_token(options.output, prepared.token, prepared.output)
         coord.exchange("joined", None)
-    if prepared["finished"]:  # rank 0 found a finished cast of this source with these options
-        return _already_done(options, plan, finished, coord, mine)
+    return finished if prepared.finished else None
 
-    records: dict[str, dict] = {}
+
+def _read_record(path: Path, shard: str) -> ShardRecord:
+    """A resume record (written by this version or an earlier one: the JSON is the same), or a
+    CheckpointError naming the file and what to do."""
+    try:
+        record = ShardRecord.from_json(json.loads(path.read_text()), "record")
+    except (OSError, ValueError, RecordError) as exc:  # unreadable, not JSON, or not a record we know
+        why = getattr(exc, "strerror", None) or exc
+        raise CheckpointError(f"{path}: not a resume record this version reads ({why}); delete it to cast {shard} "
+                              "again, or pass --overwrite to redo the whole cast") from None
+    if record.shard != shard:
+        raise CheckpointError(f"{path}: the record of {record.shard}, not of {shard}; delete it to cast {shard} again")
+    return record
+
+
+def _resume(options: CastOptions, plan: CastPlan, mine: list[ShardPlan], coord: Coordinator) -> _Share:
+    """Phase 3: the shards of this rank an earlier run finished (record and shard both there) are
+    kept; the others are to cast."""
+    state = options.output / STATE_DIR
+    records: dict[str, ShardRecord] = {}
     for sp in mine:
         rec = state / f"{sp.name}.json"
         if rec.exists() and (options.output / sp.name).exists():
-            records[sp.name] = json.loads(rec.read_text())
+            records[sp.name] = _read_record(rec, sp.name)
     todo = [sp for sp in mine if sp.name not in records]
-    resumed = len(records)
     if coord.distributed:
         coord.log(f"casts {len(todo)} of its {len(mine)} shard(s) ({sum(sp.source_bytes for sp in todo) / 1e9:.2f} GB; "
-                  f"{resumed} done by an earlier run); {len(plan.shards)} shard(s) in all")
+                  f"{len(records)} done by an earlier run); {len(plan.shards)} shard(s) in all")
+    return _Share(plan, mine, records, todo)
 
+
+def _cast_and_verify(options: CastOptions, share: _Share, coord: Coordinator, rank_row: RankRow) -> _Gathered:
+    """Phase 4, every rank: cast its shards on the worker pool (each recorded as soon as it is in
+    place), meet the other ranks at 'cast', then with --verify verify what the in-line check left
+    and meet at 'verify'. On any failure or interruption the rank removes its temporary files."""
+    plan, state = share.plan, options.output / STATE_DIR
     t0 = time.perf_counter()
-    tasks = [_shard_task(plan, options, sp) for sp in todo]
+    tasks = [_shard_task(plan, options, sp) for sp in share.todo]
 
-    def record(r: dict) -> None:
+    def record(r: ShardRecord) -> None:
         # Recorded as soon as the shard is renamed into place: an interruption keeps it. One file
         # per shard, written by the rank that cast it alone: concurrent ranks never share a file.
-        records[r["shard"]] = r
-        write_atomic_text(state / f"{r['shard']}.json", json.dumps(r) + "\n")
+        share.records[r.shard] = r
+        write_atomic_text(state / f"{r.shard}.json", json.dumps(r.to_json()) + "\n")
 
-    rank_row = {"rank": coord.rank, "host": platform.node(), "pid": os.getpid(), "workers": options.workers,
-                "shards": [sp.name for sp in mine], "cast_now": len(todo), "resumed": resumed,
-                "bytes_cast_now": sum(sp.source_bytes for sp in todo)}
-    vres: list[dict] = []
+    verify_all = None
+    verify_seconds = 0.0
     try:
-        with _Executor(min(options.workers, max(1, len(mine))), options.progress, options.main_process_works) as ex:
+        with _Executor(min(options.workers, max(1, len(share.mine))), options.progress, options.main_process_works) as ex:
             ex.run(cast_shard, tasks, sum(t.shard.source_bytes for t in tasks), _rank_desc("cast", coord), record)
-            rank_row["cast_seconds"] = time.perf_counter() - t0
+            rank_row.cast_seconds = time.perf_counter() - t0
             # Every rank's shards are committed before any rank verifies the groups that span shards.
-            cast_all = coord.exchange("cast", {"records": records, "rank": rank_row})
+            sent = coord.exchange("cast", CastMessage(share.records, rank_row).to_json())
+            cast_all = [CastMessage.from_json(d, f"{coord.who(r)}'s cast message") for r, d in enumerate(sent)]
             cast_seconds = time.perf_counter() - t0
-            verify_seconds, verified = 0.0, []
             if options.verify:
-                # Shards cast now were verified in-line except their cross-shard groups; shards of
-                # an earlier (resumed) run are verified whole.
                 t1 = time.perf_counter()
-                vres = [records[sp.name]["verify"] for sp in todo]
-                verified = [sp.name for sp in todo]
-                by_name = {sp.name: sp for sp in plan.shards}
-                nonlocal_tasks = [_shard_task(plan, options, by_name[v["shard"]]) for v in vres if v["deferred_groups"]]
-                cast_now = {sp.name for sp in todo}
-                full_tasks = [_shard_task(plan, options, sp) for sp in mine if sp.name not in cast_now]
-                verified += [t.shard.name for t in full_tasks]
-                for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
-                    if ts:
-                        ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), _rank_desc("verify", coord), vres.append)
-                rank_row["verify_seconds"] = time.perf_counter() - t1
-                verify_all = coord.exchange("verify", {"results": vres, "verified": verified,
-                                                       "verify_seconds": rank_row["verify_seconds"]})
+                mine = _verify_rest(options, share, ex, coord)
+                rank_row.verify_seconds = mine.verify_seconds = time.perf_counter() - t1
+                sent = coord.exchange("verify", mine.to_json())
+                verify_all = [VerifyMessage.from_json(d, f"{coord.who(r)}'s verify message") for r, d in enumerate(sent)]
                 verify_seconds = time.perf_counter() - t1
     except BaseException:
         # The pool is terminated and joined by now, so nothing writes any more: the shards being
         # cast when the run failed or was interrupted leave no temporary file behind. Finished
         # shards stay (recorded: a resume keeps them). A rank removes only its own temporaries.
         if coord.distributed:
-            _remove_own_partials(options.output, [sp.name for sp in mine])
+            _remove_own_partials(options.output, [sp.name for sp in share.mine])
         else:
             _remove_partials(options.output)
         raise
+    if verify_all is not None:
+        for c, v in zip(cast_all, verify_all):
+            c.rank.verify_seconds = v.verify_seconds
+    return _Gathered(cast_all, verify_all, cast_seconds, verify_seconds)
 
-    rows = [c["rank"] for c in cast_all]
-    if options.verify:
-        for row, v in zip(rows, verify_all):
-            row["verify_seconds"] = v["verify_seconds"]
-    if not coord.is_root:
-        coord.exchange("final", None, last=True)
-        return {"rank": rank_row, "world_size": coord.world_size, "output": str(options.output.resolve())}
 
-    all_records: dict[str, dict] = {}
+def _verify_rest(options: CastOptions, share: _Share, ex: "_Executor", coord: Coordinator) -> VerifyMessage:
+    """--verify after every rank's cast: shards cast now were verified in-line except their
+    groups that span shards (verified now); shards of an earlier (resumed) run are verified whole."""
+    plan = share.plan
+    results = [share.records[sp.name].verify for sp in share.todo]
+    verified = [sp.name for sp in share.todo]
+    by_name = {sp.name: sp for sp in plan.shards}
+    nonlocal_tasks = [_shard_task(plan, options, by_name[v.shard]) for v in results if v.deferred_groups]
+    cast_now = {sp.name for sp in share.todo}
+    full_tasks = [_shard_task(plan, options, sp) for sp in share.mine if sp.name not in cast_now]
+    verified += [t.shard.name for t in full_tasks]
+    for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
+        if ts:
+            ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), _rank_desc("verify", coord), results.append)
+    return VerifyMessage(results, verified)
+
+
+def _checked_verify(plan: CastPlan, verify_all: list[VerifyMessage], cast_stats: CastStats, cast_shards: list[str],
+                    matrices: int) -> VerifySummary:
+    """Rank 0: every rank's verify results summed and checked against the cast's own figures and
+    the plan; raises CheckpointError ('--verify FAILED: ...') on any mismatch or gap."""
+    summary = VerifySummary.merge([r for v in verify_all for r in v.results], cast_stats)
+    summary.add_gaps(coverage_problems(plan_totals(plan), cast_shards, matrices, cast_stats.blocks,
+                                       [n for v in verify_all for n in v.verified], summary))
+    failure = summary.failure()
+    if failure:
+        raise CheckpointError(failure)
+    return summary
+
+
+def _finish(options: CastOptions, plan: CastPlan, coord: Coordinator, got: _Gathered, t_start: float) -> dict:
+    """Phase 5, rank 0 after every rank: check that the ranks' records cover the plan (and the
+    verify results the records), write the index, configs, side files and cast_report.json,
+    drop the resume state. Returns the report."""
+    all_records: dict[str, ShardRecord] = {}
     cast_names: list[str] = []
-    for c in cast_all:
-        cast_names += list(c["records"])
-        all_records.update(c["records"])
+    for c in got.cast:
+        cast_names += list(c.records)
+        all_records.update(c.records)
     stats = CastStats()
-    matrices = 0
     for r in all_records.values():
-        stats = stats + CastStats(**r["stats"])
-        matrices += r["matrices"]
-    totals = plan_totals(plan)
-    gaps = coverage_problems(totals, cast_names, matrices, stats.blocks)
+        stats = stats + r.stats
+    matrices = sum(r.matrices for r in all_records.values())
+    gaps = coverage_problems(plan_totals(plan), cast_names, matrices, stats.blocks)
     if gaps:
         raise CheckpointError("the ranks' results do not cover the plan: " + "; ".join(gaps))
+    verify = None if got.verify is None else _checked_verify(plan, got.verify, stats, cast_names, matrices)
 
-    verify_report = None
-    if options.verify:
-        all_vres = [r for v in verify_all for r in v["results"]]
-        verify_report = _merge_verify(all_vres, stats)
-        gaps = coverage_problems(totals, cast_names, matrices, stats.blocks,
-                                 [n for v in verify_all for n in v["verified"]], verify_report)
-        if gaps:
-            verify_report["mismatches"] += len(gaps)
-            verify_report["mismatch_examples"] = (verify_report["mismatch_examples"] + gaps)[:10]
-        if verify_report["mismatches"]:
-            raise CheckpointError(
-                "--verify FAILED: " + "; ".join(verify_report["mismatch_examples"]) + f" ({verify_report['mismatches']} mismatches)"
-            )
-
-    cast_bytes = sum(row["bytes_cast_now"] for row in rows)
-    cast_now = sum(row["cast_now"] for row in rows)
+    rows = [c.rank for c in got.cast]
+    cast_bytes = sum(row.bytes_cast_now for row in rows)
+    cast_now = sum(row.cast_now for row in rows)
     output_bytes = _write_final_files(plan, options)
-    a_logs = [a for r in all_records.values() for a in r["a_log"]]
     total_seconds = time.perf_counter() - t_start
-    report = {
+    report = _report(options, plan, stats, matrices, all_records, verify, coord, rows,
+                     cast_now=cast_now, cast_bytes=cast_bytes, output_bytes=output_bytes,
+                     seconds={"cast": got.cast_seconds, "verify": got.verify_seconds, "total": total_seconds})
+    write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
+    shutil.rmtree(options.output / STATE_DIR, ignore_errors=True)
+    return report
+
+
+def _report(options: CastOptions, plan: CastPlan, stats: CastStats, matrices: int, records: dict[str, ShardRecord],
+            verify: VerifySummary | None, coord: Coordinator, rows: list[RankRow], *, cast_now: int, cast_bytes: int,
+            output_bytes: int, seconds: dict) -> dict:
+    """cast_report.json (a JSON object; its keys are what format_summary, the CLI and the docs read)."""
+    a_logs = [a for r in records.values() for a in r.a_log]
+    cast_s, verify_s = seconds["cast"], seconds["verify"]
+    return {
         "tool": "k3nvfp4-cast",
         "version": TOOL_VERSION,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -694,31 +770,27 @@ def _run_cast(options: CastOptions, coord: Coordinator) -> dict:
         "matrices_cast": matrices,
         "shards": {"total": len(plan.shards), "cast_now": cast_now, "resumed": len(plan.shards) - cast_now},
         "bytes": {"source": plan.total_source_bytes, "cast_now": cast_bytes, "output_tensors": output_bytes},
-        "seconds": {"cast": cast_seconds, "verify": verify_seconds, "total": total_seconds},
+        "seconds": seconds,
         "throughput_gb_per_s": {
             # Of this run only: a resumed run's rate covers the shards it cast, not those an earlier run did.
             "shards_covered": cast_now,
-            "cast": cast_bytes / cast_seconds / 1e9 if cast_seconds > 0 and cast_bytes else None,
-            "cast_plus_verify": cast_bytes / (cast_seconds + verify_seconds) / 1e9
-            if options.verify and cast_bytes and cast_seconds + verify_seconds > 0
+            "cast": cast_bytes / cast_s / 1e9 if cast_s > 0 and cast_bytes else None,
+            "cast_plus_verify": cast_bytes / (cast_s + verify_s) / 1e9
+            if options.verify and cast_bytes and cast_s + verify_s > 0
             else None,
         },
         "a_log": {
             "tensors": len(a_logs),
-            "padding_all_zero": sum(1 for a in a_logs if a.get("padding_all_zero")),
-            "trimmed": sum(1 for a in a_logs if "trimmed_to" in a),
-            "details": sorted(a_logs, key=lambda a: a["name"]),
+            "padding_all_zero": sum(1 for a in a_logs if a.padding_all_zero),
+            "trimmed": sum(1 for a in a_logs if a.trimmed_to is not None),
+            "details": sorted((a.to_json() for a in a_logs), key=lambda a: a["name"]),
         },
         "exclude_modules": len(plan.exclude_modules),
-        "verify": verify_report,
+        "verify": None if verify is None else verify.to_json(),
         # Who cast what (timings per rank); the shards' own times are in per_shard.
-        "ranks": {"world_size": coord.world_size, "per_rank": rows},
-        "per_shard": [all_records[sp.name] for sp in plan.shards],
+        "ranks": {"world_size": coord.world_size, "per_rank": [row.to_json() for row in rows]},
+        "per_shard": [records[sp.name].to_json() for sp in plan.shards],
     }
-    write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
-    shutil.rmtree(state, ignore_errors=True)
-    coord.exchange("final", None, last=True)
-    return report
 
 
 def _already_done(options: CastOptions, plan: CastPlan, report: dict, coord: Coordinator,
@@ -729,23 +801,19 @@ def _already_done(options: CastOptions, plan: CastPlan, report: dict, coord: Coo
     if options.verify:
         t0 = time.perf_counter()
         tasks = [_shard_task(plan, options, sp) for sp in mine]
-        results: list[dict] = []
+        results: list[VerifyResult] = []
         with _Executor(min(options.workers, max(1, len(tasks))), options.progress, options.main_process_works) as ex:
             ex.run(verify_full, tasks, sum(t.shard.source_bytes for t in tasks), _rank_desc("verify", coord),
                    results.append)
-        verify_all = coord.exchange("verify", {"results": results, "verified": [sp.name for sp in mine]})
+        sent = coord.exchange("verify", VerifyMessage(results, [sp.name for sp in mine]).to_json())
         if coord.is_root:
-            verify_report = _merge_verify([r for v in verify_all for r in v["results"]], CastStats(**report["stats"]))
-            totals = plan_totals(plan)
-            gaps = coverage_problems(totals, sorted(totals.shards), report["matrices_cast"], report["stats"]["blocks"],
-                                     [n for v in verify_all for n in v["verified"]], verify_report)
-            if gaps:
-                verify_report["mismatches"] += len(gaps)
-                verify_report["mismatch_examples"] = (verify_report["mismatch_examples"] + gaps)[:10]
-            if verify_report["mismatches"]:
-                raise CheckpointError("--verify FAILED: " + "; ".join(verify_report["mismatch_examples"])
-                                      + f" ({verify_report['mismatches']} mismatches)")
-            report = {**report, "verify": verify_report,
+            verify_all = [VerifyMessage.from_json(d, f"{coord.who(r)}'s verify message") for r, d in enumerate(sent)]
+            try:  # the figures the finished cast reported, read back from its report
+                stats = cast_stats_from_json(report.get("stats"), "its \"stats\"")
+            except RecordError as exc:
+                raise CheckpointError(f"{options.output / REPORT_FILE}: {exc}; pass --overwrite to cast again") from None
+            verify = _checked_verify(plan, verify_all, stats, sorted(plan_totals(plan).shards), report["matrices_cast"])
+            report = {**report, "verify": verify.to_json(),
                       "seconds": {**report["seconds"], "verify": time.perf_counter() - t0}}
             write_atomic_text(options.output / REPORT_FILE, json.dumps(report, indent=2) + "\n")
     if coord.is_root and coord.distributed:
@@ -756,24 +824,6 @@ def _already_done(options: CastOptions, plan: CastPlan, report: dict, coord: Coo
                 "world_size": coord.world_size, "output": str(options.output.resolve()), "already_done": True,
                 "verified_now": options.verify}
     return {**report, "already_done": True, "verified_now": options.verify}
-
-
-def _merge_verify(results: list[dict], cast_stats: CastStats) -> dict:
-    keys = ("matrices", "blocks", "proved_blocks", "exact_blocks", "sample_matrices", "sample_elements",
-            "carried_tensors", "mismatches")
-    out = {k: sum(r[k] for r in results) for k in keys}
-    out["max_abs_err"] = max((r["max_abs_err"] for r in results), default=0.0)
-    examples = [e for r in results for e in r["mismatch_examples"]]
-    # The cast's own claims must agree with what was proved from disk.
-    if out["blocks"] != cast_stats.blocks:
-        examples.append(f"verified {out['blocks']} blocks but the cast reported {cast_stats.blocks}")
-    if out["exact_blocks"] != cast_stats.exact_blocks:
-        examples.append(f"{out['exact_blocks']} blocks proved exact on disk but the cast reported {cast_stats.exact_blocks}")
-    if out["max_abs_err"] > cast_stats.max_abs_err * (1 + 1e-9):
-        examples.append(f"max_abs_err on disk {out['max_abs_err']:g} exceeds the cast's {cast_stats.max_abs_err:g}")
-    out["mismatches"] += len(examples) - sum(len(r["mismatch_examples"]) for r in results)
-    out["mismatch_examples"] = examples[:10]
-    return out
 
 
 def _window_line(s: dict) -> str:

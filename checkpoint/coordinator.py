@@ -6,7 +6,8 @@ larger world. Its main thread never blocks inside a collective; a heartbeat thre
 talking, one *round* at most every ``heartbeat_s`` seconds (sooner when this rank has something
 new to say):
 
-every rank sends its status (pickled: the step it waits at with its payload, see
+every rank sends its status (as JSON: the step it waits at with its payload, a record of
+records.py in its ``to_json`` form, see
 :meth:`GlooCoordinator.exchange`, or its one-line error, :meth:`GlooCoordinator.fail`) to every
 other rank and receives theirs: an all-gather made of gloo ``isend`` / ``irecv`` pairs, each
 wait bounded by ``rank_timeout_s``. A rank that was killed closes its connections and every
@@ -31,9 +32,10 @@ tells "working" from "gone".
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import os
-import pickle
 import signal
 import socket
 import threading
@@ -63,7 +65,7 @@ class _Status:
     host: str
     pid: int
     step: str | None = None  # the exchange it waits at (None: working)
-    payload: Any = None
+    payload: Any = None  # JSON-able (a record's to_json()): ranks exchange JSON, never pickles
     error: str | None = None  # its one-line error, once it failed
 
 
@@ -210,7 +212,9 @@ class GlooCoordinator:
         print(f"k3nvfp4-cast: {self.label()}: {message}", file=sys.stderr, flush=True)
 
     def exchange(self, step: str, payload: Any, *, last: bool = False) -> list:
-        """Wait until every rank has reached ``step``; returns their payloads by rank. Raises
+        """Wait until every rank has reached ``step``; returns their payloads by rank (each as
+        JSON gives it back: ``payload`` must be JSON-able, the caller reads it with a record's
+        from_json). Raises
         RankFailure when a rank fails or vanishes first. ``last``: the final exchange, after
         which the heartbeat stops."""
         with self._lock:
@@ -272,7 +276,7 @@ class GlooCoordinator:
         import torch
 
         peers = [p for p in range(self.world_size) if p != self.rank]
-        data = pickle.dumps(status)
+        data = json.dumps(dataclasses.asdict(status)).encode()
         sizes = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
         lost = self._exchange_p2p(torch.tensor([len(data)], dtype=torch.int64), sizes)
         if not lost:
@@ -285,8 +289,9 @@ class GlooCoordinator:
                    if "Timed out" in msg else f"its connection closed (killed or crashed?): {msg}")
             more = f" (also lost: {', '.join(self.who(q) for q, _ in lost[1:])})" if len(lost) > 1 else ""
             raise RankFailure(f"{self.who(p)} vanished: {why}{more}")
-        out = [pickle.loads(bufs[p].numpy().tobytes()) if p != self.rank else status for p in range(self.world_size)]
-        return out
+        # This rank's own payload goes through JSON too, so every rank reads the same values.
+        return [_Status(**json.loads(bufs[p].numpy().tobytes() if p != self.rank else data))
+                for p in range(self.world_size)]
 
     def _watch(self) -> None:
         try:

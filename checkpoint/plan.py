@@ -142,10 +142,40 @@ def plan_cast(source: Path, *, w4a4: bool = False, trim_a_log: bool = False, too
     config = _load_json(config_path)
     source_quantization_config(config, str(config_path))
     text = config.get("text_config", {})
+    weight_map, headers = _read_index_and_headers(source, index_path)
+    groups = _expert_groups(source, weight_map, headers)
+    lac = text.get("linear_attn_config") or {}
+    num_heads, head_dim = lac.get("num_heads"), lac.get("head_dim")
+    a_log = _a_log_refs(source, config_path, weight_map, headers, trim_a_log, num_heads)
+    trim = {r.entry.name for r in a_log} if trim_a_log else set()
+    shards = [_shard_plan(shard, h, groups, trim, num_heads, w4a4) for shard, h in headers.items()]
+    parts = _fingerprint_parts(config_path, index_path, headers, tool_version=tool_version, w4a4=w4a4,
+                               trim_a_log=trim_a_log)
+    return CastPlan(
+        source=source,
+        config=config,
+        text_config=text,
+        shards=shards,
+        groups=groups,
+        a_log=a_log,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        exclude_modules=_exclude_modules(weight_map, headers, groups),
+        side_files=_side_files(source, headers),
+        fingerprint=hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest(),
+        fingerprint_parts=parts,
+        total_source_bytes=sum(h.file_size for h in headers.values()),
+        w4a4=w4a4,
+        trim_a_log=trim_a_log,
+    )
+
+
+def _read_index_and_headers(source: Path, index_path: Path) -> tuple[dict[str, str], dict[str, SafetensorsHeader]]:
+    """The index's weight map and every shard's header, each tensor in exactly the shard the
+    index names."""
     index = _load_json(index_path)
     weight_map = index.get("weight_map")
     _expect(isinstance(weight_map, dict) and weight_map, f"{index_path}: no weight_map")
-
     headers: dict[str, SafetensorsHeader] = {}
     for shard in sorted(set(weight_map.values())):
         _expect("/" not in shard and not shard.startswith("."), f"{index_path}: suspicious shard name {shard!r}")
@@ -160,8 +190,13 @@ def plan_cast(source: Path, *, w4a4: bool = False, trim_a_log: bool = False, too
         extra = [n for n in h.entries if weight_map.get(n) != shard]
         if extra:
             raise CheckpointError(f"{h.path}: tensor {extra[0]} is not mapped to this shard by {INDEX_FILE}")
+    return weight_map, headers
 
-    # Expert matrices: pair weight_packed with weight_scale, validate dtypes and shapes.
+
+def _expert_groups(source: Path, weight_map: dict[str, str],
+                   headers: dict[str, SafetensorsHeader]) -> dict[tuple[int, int, str], list[ExpertMatrix]]:
+    """The routed experts' matrices: weight_packed paired with weight_scale, dtypes and shapes
+    checked, grouped as w13 ([w1, w3], same shape) and w2 (shaped to match its w1)."""
     parts: dict[str, dict[str, SourceRef]] = defaultdict(dict)
     names: dict[str, ExpertMatrixName] = {}
     for name, shard in weight_map.items():
@@ -203,10 +238,13 @@ def plan_cast(source: Path, *, w4a4: bool = False, trim_a_log: bool = False, too
             got = ms[0].packed.entry.shape
             _expect(got == want, f"{source}: {ms[0].packed.entry.name} has shape {list(got)}, expected {list(want)} (w2 of a [{w1.rows}, {w1.in_dim}] w1)")
     _expect(bool(groups), f"{source}: no MXFP4 routed experts (*.block_sparse_moe.experts.E.w{{1,2,3}}.weight_packed) in {INDEX_FILE}")
+    return dict(groups)
 
-    # KDA A_log tensors.
-    lac = text.get("linear_attn_config") or {}
-    num_heads, head_dim = lac.get("num_heads"), lac.get("head_dim")
+
+def _a_log_refs(source: Path, config_path: Path, weight_map: dict[str, str], headers: dict[str, SafetensorsHeader],
+                trim_a_log: bool, num_heads: int | None) -> list[SourceRef]:
+    """The KDA A_log tensors; with --trim-a-log the config must give num_heads and each must be
+    1-D with at least num_heads elements."""
     a_log = [SourceRef(s, headers[s].entries[n]) for n, s in sorted(weight_map.items()) if KDA_A_LOG_RE.match(n)]
     if trim_a_log and a_log:
         _expect(isinstance(num_heads, int), f"{config_path}: --trim-a-log needs text_config.linear_attn_config.num_heads")
@@ -216,88 +254,80 @@ def plan_cast(source: Path, *, w4a4: bool = False, trim_a_log: bool = False, too
                 len(e.shape) == 1 and e.shape[0] >= num_heads,
                 f"{source / ref.shard}: tensor {e.name} has shape {list(e.shape)}; --trim-a-log expects 1-D [head_dim >= {num_heads}]",
             )
-    a_log_names = {r.entry.name for r in a_log}
+    return a_log
 
-    # Output items per shard, in source byte order (sequential reads).
-    shards: list[ShardPlan] = []
-    anchor_of: dict[tuple[int, int, str], str] = {g: ms[0].packed.shard for g, ms in groups.items()}
-    for shard, h in headers.items():
-        items: list[tuple[int, int, OutputItem]] = []
-        for e in sorted(h.entries.values(), key=lambda e: e.begin):
-            ref = SourceRef(shard, e)
-            parsed = parse_expert_tensor(e.name)
-            if parsed is None:
-                if trim_a_log and e.name in a_log_names and e.shape[0] != num_heads:
-                    spec = OutputSpec(e.name, e.dtype, (num_heads,))
-                    items.append((e.begin, 0, OutputItem(spec, "a_log_trim", ref)))
-                else:
-                    items.append((e.begin, 0, OutputItem(OutputSpec(e.name, e.dtype, e.shape), "carry", ref)))
-                continue
-            mname, kind = parsed
-            base, g = mname.base, mname.group
-            if kind == "weight_packed":
-                items.append((e.begin, 0, OutputItem(OutputSpec(f"{base}.weight", "U8", e.shape), "weight", ref, base, g)))
+
+def _shard_plan(shard: str, h: SafetensorsHeader, groups: dict[tuple[int, int, str], list[ExpertMatrix]],
+                trim: set[str], num_heads: int | None, w4a4: bool) -> ShardPlan:
+    """One output shard: its tensors in source byte order (sequential reads), each carried, trimmed
+    (the A_log tensors named in ``trim``) or cast; the groups whose first matrix lives here are
+    anchored (counted and verified) here."""
+    items: list[tuple[int, int, OutputItem]] = []
+    for e in sorted(h.entries.values(), key=lambda e: e.begin):
+        ref = SourceRef(shard, e)
+        parsed = parse_expert_tensor(e.name)
+        if parsed is None:
+            if e.name in trim and e.shape[0] != num_heads:
+                spec = OutputSpec(e.name, e.dtype, (num_heads,))
+                items.append((e.begin, 0, OutputItem(spec, "a_log_trim", ref)))
             else:
-                rows, nb = e.shape
-                outs = [
-                    OutputSpec(f"{base}.weight_scale", "F8_E4M3", (rows, 2 * nb)),
-                    OutputSpec(f"{base}.weight_scale_2", "F32", ()),
-                ]
-                if w4a4:
-                    outs.append(OutputSpec(f"{base}.input_scale", "F32", ()))
-                for k, spec in enumerate(outs):
-                    items.append((e.begin, k, OutputItem(spec, spec.name.rsplit(".", 1)[1], ref, base, g)))
-        items.sort(key=lambda t: (t[0], t[1]))
-        shards.append(
-            ShardPlan(
-                name=shard,
-                items=[it for _, _, it in items],
-                source_bytes=h.file_size,
-                anchored_groups=sorted(g for g, a in anchor_of.items() if a == shard),
-            )
-        )
+                items.append((e.begin, 0, OutputItem(OutputSpec(e.name, e.dtype, e.shape), "carry", ref)))
+            continue
+        mname, kind = parsed
+        base, g = mname.base, mname.group
+        if kind == "weight_packed":
+            items.append((e.begin, 0, OutputItem(OutputSpec(f"{base}.weight", "U8", e.shape), "weight", ref, base, g)))
+        else:
+            rows, nb = e.shape
+            outs = [
+                OutputSpec(f"{base}.weight_scale", "F8_E4M3", (rows, 2 * nb)),
+                OutputSpec(f"{base}.weight_scale_2", "F32", ()),
+            ]
+            if w4a4:
+                outs.append(OutputSpec(f"{base}.input_scale", "F32", ()))
+            for k, spec in enumerate(outs):
+                items.append((e.begin, k, OutputItem(spec, spec.name.rsplit(".", 1)[1], ref, base, g)))
+    items.sort(key=lambda t: (t[0], t[1]))
+    return ShardPlan(
+        name=shard,
+        items=[it for _, _, it in items],
+        source_bytes=h.file_size,
+        anchored_groups=sorted(g for g, ms in groups.items() if ms[0].packed.shard == shard),
+    )
 
-    # exclude_modules: modules whose .weight stayed an unquantized 2-D float tensor.
+
+def _exclude_modules(weight_map: dict[str, str], headers: dict[str, SafetensorsHeader],
+                     groups: dict[tuple[int, int, str], list[ExpertMatrix]]) -> list[str]:
+    """exclude_modules: globs of the modules whose .weight stayed an unquantized 2-D float tensor."""
     unquantized = [
         n[: -len(".weight")]
         for n, s in weight_map.items()
         if n.endswith(".weight") and headers[s].entries[n].dtype in FLOAT_TAGS and len(headers[s].entries[n].shape) == 2
     ]
-    exclude = exclude_module_globs(unquantized, [m.name.base for ms in groups.values() for m in ms])
+    return exclude_module_globs(unquantized, [m.name.base for ms in groups.values() for m in ms])
 
-    skip = {CONFIG_FILE, INDEX_FILE, HF_QUANT_CONFIG_FILE, REPORT_FILE, *headers}  # written by the tool
-    side_files = sorted(
+
+def _side_files(source: Path, headers: dict[str, SafetensorsHeader]) -> list[Path]:
+    """Files copied as they are (tokenizer, code, ...), relative to the source: not the tensors,
+    not what the tool writes itself, not hidden (.cache, .git ...)."""
+    skip = {CONFIG_FILE, INDEX_FILE, HF_QUANT_CONFIG_FILE, REPORT_FILE, *headers}
+    return sorted(
         p.relative_to(source)
         for p in source.rglob("*")
         if p.is_file()
         and str(p.relative_to(source)) not in skip
         and not p.name.endswith(".safetensors")
-        and not any(part.startswith(".") for part in p.relative_to(source).parts)  # .cache, .git ...
+        and not any(part.startswith(".") for part in p.relative_to(source).parts)
     )
 
-    # What a cast depends on, part by part (a refused resume says which part changed).
-    parts = {
+
+def _fingerprint_parts(config_path: Path, index_path: Path, headers: dict[str, SafetensorsHeader], *,
+                       tool_version: str, w4a4: bool, trim_a_log: bool) -> dict:
+    """What a cast depends on, part by part (a refused resume says which part changed)."""
+    return {
         "tool_version": tool_version, "w4a4": w4a4, "trim_a_log": trim_a_log,
         "files": {config_path.name: hashlib.sha256(config_path.read_bytes()).hexdigest(),
                   index_path.name: hashlib.sha256(index_path.read_bytes()).hexdigest()},
         "shards": {shard: f"{h.path.stat().st_size} bytes, mtime {h.path.stat().st_mtime_ns}"
                    for shard, h in sorted(headers.items())},
     }
-    fp = hashlib.sha256(json.dumps(parts, sort_keys=True).encode())
-    return CastPlan(
-        source=source,
-        config=config,
-        text_config=text,
-        shards=shards,
-        groups=dict(groups),
-        a_log=a_log,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        exclude_modules=exclude,
-        side_files=side_files,
-        fingerprint=fp.hexdigest(),
-        fingerprint_parts=parts,
-        total_source_bytes=sum(h.file_size for h in headers.values()),
-        w4a4=w4a4,
-        trim_a_log=trim_a_log,
-    )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .layout import STATE_DIR
 from .plan import CastPlan
+from .records import LaunchInfo, VerifySummary
 from .safetensors_io import CheckpointError, write_atomic_text
 
 LAUNCH_TOKEN_FILE = "launch.json"
@@ -28,16 +29,16 @@ LAUNCH_TOKEN_FILE = "launch.json"
 SHARED_OPTIONS = ("verify", "strict", "w4a4", "trim_a_log", "overwrite", "verify_sample")
 
 
-def launch_info(options, plan: CastPlan, tool_version: str) -> dict:
+def launch_info(options, plan: CastPlan, tool_version: str) -> LaunchInfo:
     """What a rank sends at start (``options``: a CastOptions)."""
-    return {
-        "tool_version": tool_version,
-        "fingerprint": plan.fingerprint,
-        "fingerprint_parts": plan.fingerprint_parts,
-        "options": {k: getattr(options, k) for k in SHARED_OPTIONS},
-        "source": str(Path(options.source).resolve()),
-        "output": str(Path(options.output).resolve()),
-    }
+    return LaunchInfo(
+        tool_version=tool_version,
+        fingerprint=plan.fingerprint,
+        fingerprint_parts=plan.fingerprint_parts,
+        options={k: getattr(options, k) for k in SHARED_OPTIONS},
+        source=str(Path(options.source).resolve()),
+        output=str(Path(options.output).resolve()),
+    )
 
 
 def _flag(name: str) -> str:
@@ -48,30 +49,30 @@ def _value(v) -> str:
     return ("on" if v else "off") if isinstance(v, bool) else repr(v)
 
 
-def launch_differences(infos: list[dict], who=lambda r: f"rank {r}") -> list[str]:
+def launch_differences(infos: list[LaunchInfo], who=lambda r: f"rank {r}") -> list[str]:
     """How each rank's start differs from rank 0's, in words (empty: all alike)."""
     ref = infos[0]
     out = []
     for r, info in enumerate(infos[1:], 1):
         me, zero = who(r), who(0)
         diffs = []
-        if info["tool_version"] != ref["tool_version"]:
-            diffs.append(f"{me} runs k3nvfp4-cast {info['tool_version']}, {zero} {ref['tool_version']}")
+        if info.tool_version != ref.tool_version:
+            diffs.append(f"{me} runs k3nvfp4-cast {info.tool_version}, {zero} {ref.tool_version}")
         for k in SHARED_OPTIONS:
-            a, b = ref["options"][k], info["options"][k]
+            a, b = ref.options.get(k), info.options.get(k)
             if a != b:
                 diffs.append(f"{_flag(k)} is {_value(b)} at {me}, {_value(a)} at {zero}")
-        pa, pb = ref["fingerprint_parts"], info["fingerprint_parts"]
+        pa, pb = ref.fingerprint_parts, info.fingerprint_parts
         source = []
         for kind in ("files", "shards"):  # the rest of the fingerprint is the options and version above
             a, b = pa.get(kind, {}), pb.get(kind, {})
             source += [f"source {name}: {b.get(name, 'absent')} at {me}, {a.get(name, 'absent')} at {zero}"
                        for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
         if source:
-            source[-1] += f" ({me} reads {info['source']}, {zero} {ref['source']})"
-        elif info["fingerprint"] != ref["fingerprint"] and not diffs:
-            source.append(f"{me} planned another cast than {zero} (fingerprint {info['fingerprint'][:12]} vs "
-                          f"{ref['fingerprint'][:12]})")
+            source[-1] += f" ({me} reads {info.source}, {zero} {ref.source})"
+        elif info.fingerprint != ref.fingerprint and not diffs:
+            source.append(f"{me} planned another cast than {zero} (fingerprint {info.fingerprint[:12]} vs "
+                          f"{ref.fingerprint[:12]})")
         out += diffs + source
     return out
 
@@ -131,7 +132,7 @@ def _cover(names: list[str], want: frozenset[str], what: str) -> list[str]:
 
 
 def coverage_problems(totals: PlanTotals, cast_shards: list[str], matrices: int, blocks: int,
-                      verified_shards: list[str] | None = None, verify: dict | None = None) -> list[str]:
+                      verified_shards: list[str] | None = None, verify: VerifySummary | None = None) -> list[str]:
     """Rank 0 over what every rank reported: each shard of the plan cast (and, with --verify,
     checked) exactly once, and the totals equal the plan's. Empty: no gap."""
     out = _cover(cast_shards, totals.shards, "cast")
@@ -143,6 +144,7 @@ def coverage_problems(totals: PlanTotals, cast_shards: list[str], matrices: int,
         out += _cover(verified_shards or [], totals.shards, "verified")
         for key, want in (("matrices", totals.matrices), ("blocks", totals.blocks),
                           ("carried_tensors", totals.carried_tensors)):
-            if verify[key] != want:
-                out.append(f"verified {verify[key]} {key.replace('_', ' ')}, the plan has {want}")
+            got = getattr(verify, key)
+            if got != want:
+                out.append(f"verified {got} {key.replace('_', ' ')}, the plan has {want}")
     return out

@@ -31,12 +31,11 @@ import torch
 
 from ..kernels import formats
 from . import _progress
+from .records import VerifyResult
 from .safetensors_io import DTYPES, ITEMSIZE, CheckpointError, MappedShards, SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
     from .plan import ExpertMatrix, ShardTask
-
-_MAX_EXAMPLES = 5
 
 
 class _Ctx:
@@ -44,16 +43,10 @@ class _Ctx:
         self.task = task
         self.headers: dict[str, SafetensorsHeader] = {}
         self.maps = {"src": MappedShards(task.source), "out": MappedShards(task.output)}
-        self.res = {
-            "shard": task.shard.name, "matrices": 0, "blocks": 0, "proved_blocks": 0, "exact_blocks": 0,
-            "max_abs_err": 0.0, "sample_matrices": 0, "sample_elements": 0, "carried_tensors": 0,
-            "mismatches": 0, "mismatch_examples": [],
-        }
+        self.res = VerifyResult(task.shard.name)
 
     def fail(self, msg: str) -> None:
-        self.res["mismatches"] += 1
-        if len(self.res["mismatch_examples"]) < _MAX_EXAMPLES:
-            self.res["mismatch_examples"].append(msg)
+        self.res.fail(msg)
 
     def out_header(self, shard: str) -> SafetensorsHeader:
         if shard not in self.headers:
@@ -149,7 +142,7 @@ def _check_carried(ctx: _Ctx) -> None:
             ctx.mapped("src", it.src.shard), it.src.entry.begin, ctx.mapped("out", ctx.task.shard.name), out.begin, n
         ):
             ctx.fail(f"{h.path}: carried tensor {it.spec.name} differs from the source")
-        ctx.res["carried_tensors"] += 1
+        ctx.res.carried_tensors += 1
         _progress.report(it.src.entry.nbytes)
 
 
@@ -276,11 +269,11 @@ def _verify_matrix(ctx: _Ctx, m: "ExpertMatrix", sample: bool) -> float:
             ctx.fail(f"{base}: non-finite NVFP4 values in {int((~torch.isfinite(b)).any(1).sum())} blocks")
         err = (a - b).abs()
         exact += int((err == 0).all(1).sum())
-        ctx.res["max_abs_err"] = max(ctx.res["max_abs_err"], float(err.max()))
-    ctx.res["matrices"] += 1
-    ctx.res["blocks"] += n
-    ctx.res["proved_blocks"] += n_proved
-    ctx.res["exact_blocks"] += exact
+        ctx.res.max_abs_err = max(ctx.res.max_abs_err, float(err.max()))
+    ctx.res.matrices += 1
+    ctx.res.blocks += n
+    ctx.res.proved_blocks += n_proved
+    ctx.res.exact_blocks += exact
 
     if sample:  # full dequantize-and-compare with the format codecs, float32, row chunk by row chunk
         proved_rows = None if rest.numel() == 0 else proved.reshape(src_s.shape)
@@ -298,12 +291,12 @@ def _verify_matrix(ctx: _Ctx, m: "ExpertMatrix", sample: bool) -> float:
             if not blk.all():
                 d = float(np.abs(mx[~blk].view(np.float32) - nv[~blk].view(np.float32)).max())
                 worst = d if worst is None else max(worst, d)
-        if worst is not None and worst > ctx.res["max_abs_err"] * (1 + 1e-6):
+        if worst is not None and worst > ctx.res.max_abs_err * (1 + 1e-6):
             ctx.fail(f"{base}: dequantized error {worst:g} exceeds the block-level bound")
         if not ok:
             ctx.fail(f"{base}: values of proved blocks differ after dequantization")
-        ctx.res["sample_matrices"] += 1
-        ctx.res["sample_elements"] += 2 * src_p.numel()
+        ctx.res.sample_matrices += 1
+        ctx.res.sample_elements += 2 * src_p.numel()
     _progress.report(m.packed.entry.nbytes + m.scale.entry.nbytes)
     return scale_2
 
@@ -313,10 +306,10 @@ def is_local_group(members: list["ExpertMatrix"], shard: str) -> bool:
     return all(r.shard == shard for m in members for r in (m.packed, m.scale))
 
 
-def verify_shard(task: "ShardTask", *, groups: str = "all", check_shard: bool = True) -> dict:
+def verify_shard(task: "ShardTask", *, groups: str = "all", check_shard: bool = True) -> VerifyResult:
     """Verify output shard ``task.shard`` (header, carried tensors) and expert groups anchored
     in it: ``groups`` = "all", "local" (only groups entirely inside this shard; the others are
-    listed under "deferred_groups") or "nonlocal" (only those)."""
+    listed in the result's ``deferred_groups``) or "nonlocal" (only those)."""
     ctx = _Ctx(task)
     deferred = []
     try:
@@ -329,20 +322,20 @@ def verify_shard(task: "ShardTask", *, groups: str = "all", check_shard: bool = 
             if (groups == "local" and not local) or (groups == "nonlocal" and local):
                 deferred.append(g)
                 continue
-            s2 = [_verify_matrix(ctx, m, sample=ctx.res["sample_matrices"] < task.verify_sample) for m in members]
+            s2 = [_verify_matrix(ctx, m, sample=ctx.res.sample_matrices < task.verify_sample) for m in members]
             if len(set(s2)) > 1:
                 ctx.fail(f"layer {g[0]} expert {g[1]}: w1/w3 weight_scale_2 differ ({s2}); marlin needs one")
     finally:
         ctx.close()
-    ctx.res["deferred_groups"] = deferred if groups == "local" else []
+    ctx.res.deferred_groups = deferred if groups == "local" else []
     return ctx.res
 
 
-def verify_nonlocal(task: "ShardTask") -> dict:
+def verify_nonlocal(task: "ShardTask") -> VerifyResult:
     """The second verify pass: groups of this shard that span shards (all output now committed)."""
     return verify_shard(dataclasses.replace(task, verify_sample=0), groups="nonlocal", check_shard=False)  # sampled in-line
 
 
-def verify_full(task: "ShardTask") -> dict:
+def verify_full(task: "ShardTask") -> VerifyResult:
     """Verify a whole shard (used for shards finished by an earlier, resumed run)."""
     return verify_shard(task, groups="all", check_shard=True)

@@ -264,6 +264,76 @@ def test_resume_after_interruption_is_byte_identical(source, cast_run, tmp_path,
     assert main(args + ["--overwrite"]) == 0
 
 
+def _earlier_versions_record(written: dict) -> dict:
+    """The resume record as the dict-based cast of earlier versions wrote it: these keys in this
+    order, written out here (not produced by ShardRecord), with the figures of ``written``."""
+    v = written["verify"]
+    return {
+        "pid": 4242,
+        "verify": {"shard": v["shard"], "matrices": v["matrices"], "blocks": v["blocks"],
+                   "proved_blocks": v["proved_blocks"], "exact_blocks": v["exact_blocks"],
+                   "max_abs_err": v["max_abs_err"], "sample_matrices": v["sample_matrices"],
+                   "sample_elements": v["sample_elements"], "carried_tensors": v["carried_tensors"],
+                   "mismatches": 0, "mismatch_examples": [], "deferred_groups": v["deferred_groups"]},
+        "cast_seconds": 1.5,
+        "shard": written["shard"],
+        "source_bytes": written["source_bytes"],
+        "extra_bytes_read": written["extra_bytes_read"],
+        "output_bytes": written["output_bytes"],
+        "matrices": written["matrices"],
+        "stats": {k: written["stats"][k] for k in ("blocks", "exact_blocks", "zero_exponent_blocks",
+                                                   "out_of_range_blocks", "max_abs_err")},
+        "a_log": [{"name": a["name"], "shape": a["shape"], "num_heads": a["num_heads"],
+                   "padding_elements": a["padding_elements"], "padding_all_zero": a["padding_all_zero"],
+                   "padding_max_abs": a["padding_max_abs"]} for a in written["a_log"]],
+        "seconds": 2,  # an integer where a float is expected: JSON has one number type
+    }
+
+
+def test_resume_reads_an_earlier_versions_record_and_refuses_an_unreadable_one(source, cast_run, tmp_path,
+                                                                                 monkeypatch, capsys):
+    ref, _ = cast_run
+    out = tmp_path / "resumed"
+    args = ["--source_ckpt", str(source), "--output_ckpt", str(out), "--workers", "1", "--no-progress", "--verify"]
+    real, calls = convert_mod.cast_shard, []
+
+    def crash_on_second(task):
+        calls.append(task.shard.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(convert_mod, "cast_shard", crash_on_second)
+    assert main(args) == 130
+    monkeypatch.setattr(convert_mod, "cast_shard", real)
+    (record,) = (out / ".k3nvfp4-cast").glob("*.safetensors.json")
+    shard = record.name[: -len(".json")]
+    old = _earlier_versions_record(json.loads(record.read_text()))
+    # Unreadable records are refused naming the file and what to do; nothing is lost.
+    for broken in ('{"pid": 1, "shard"', json.dumps({**old, "stats": {"blocks": 3}}), json.dumps({**old, "matrices": "27"})):
+        record.write_text(broken)
+        capsys.readouterr()
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert f"{record}: not a resume record this version reads" in err and f"delete it to cast {shard} again" in err, err
+        assert (out / shard).is_file() and not (out / "cast_report.json").exists()
+    assert "'matrices' is '27', expected int" in err
+    # The earlier version's record resumes: that shard is not cast again and its record is reported as it was.
+    record.write_text(json.dumps(old) + "\n")
+    calls.clear()
+    monkeypatch.setattr(convert_mod, "cast_shard", lambda task: calls.append(task.shard.name) or real(task))
+    assert main(args) == 0
+    assert shard not in calls and len(calls) == 2
+    report = json.loads((out / "cast_report.json").read_text())
+    assert report["shards"] == {"total": 3, "cast_now": 2, "resumed": 1}
+    (per_shard,) = [r for r in report["per_shard"] if r["shard"] == shard]
+    assert per_shard == {**old, "seconds": 2.0} and list(per_shard) == list(old)
+    assert report["verify"]["mismatches"] == 0
+    skip = {"cast_report.json"}
+    assert {k: v for k, v in _tree_hash(out).items() if k not in skip} == {
+        k: v for k, v in _tree_hash(ref).items() if k not in skip}
+
+
 def test_refused_resume_names_the_changed_source_file(source, tmp_path, capsys):
     """A finished or interrupted cast of a source that has changed since is refused, and the
     error names the file that changed (hyphenated flags, as every other tool of the project)."""

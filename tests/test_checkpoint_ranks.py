@@ -10,6 +10,7 @@ comparison against hand-worked cases and a brute-force optimum.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -30,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from k3nvfp4.checkpoint.cli import main
 from k3nvfp4.checkpoint.coordinator import HEARTBEAT_MAX_S
 from k3nvfp4.checkpoint.rank_checks import PlanTotals, coverage_problems, launch_differences
+from k3nvfp4.checkpoint.records import LaunchInfo, VerifySummary
 from k3nvfp4.checkpoint.ranks import LaunchError, RankSpec, assign_shards, first_host, rank_spec, slurm_master_host
 from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
 
@@ -370,7 +372,7 @@ def test_assign_shards_is_balanced_and_independent_of_order():
         assert worst <= (4 / 3 - 1 / (3 * w)) * best + 1e-9, (sizes, w, got, best)  # Graham's bound for LPT
 
 
-def _info(**over) -> dict:
+def _info(**over) -> LaunchInfo:
     info = {"tool_version": "0.1.0", "fingerprint": "f0", "source": "/data/src", "output": "/data/out",
             "options": {"verify": True, "strict": False, "w4a4": False, "trim_a_log": False, "overwrite": False,
                         "verify_sample": 1},
@@ -379,14 +381,14 @@ def _info(**over) -> dict:
                                   "shards": {"m-1.safetensors": "10 bytes, mtime 5", "m-2.safetensors": "20 bytes, mtime 6"}}}
     for k, v in over.items():
         info[k] = v
-    return info
+    return LaunchInfo.from_json(json.loads(json.dumps(info)))  # as another rank's message arrives
 
 
 def test_launch_differences_name_the_option_the_file_and_the_rank():
     same = _info()
     assert launch_differences([same, _info(), _info(source="/mnt/src", output="/mnt/out")]) == []  # other mounts are fine
-    opts = {**same["options"], "w4a4": True, "verify": False}
-    parts = json.loads(json.dumps(same["fingerprint_parts"]))
+    opts = {**same.options, "w4a4": True, "verify": False}
+    parts = json.loads(json.dumps(same.fingerprint_parts))
     parts["shards"]["m-2.safetensors"] = "20 bytes, mtime 9"
     del parts["files"]["config.json"]
     diffs = launch_differences([same, _info(), _info(options=opts, fingerprint="f1", fingerprint_parts=parts,
@@ -403,9 +405,10 @@ def test_launch_differences_name_the_option_the_file_and_the_rank():
 def test_coverage_problems_find_every_gap():
     totals = PlanTotals(frozenset({"a", "b", "c"}), matrices=6, blocks=100, carried_tensors=9)
     assert coverage_problems(totals, ["a", "b", "c"], 6, 100) == []
-    verify = {"matrices": 6, "blocks": 100, "carried_tensors": 9}
+    verify = VerifySummary(matrices=6, blocks=100, carried_tensors=9)
     assert coverage_problems(totals, ["c", "a", "b"], 6, 100, ["b", "c", "a"], verify) == []
-    assert coverage_problems(totals, ["a", "a", "b"], 5, 90, ["a", "b", "c", "d"], {**verify, "carried_tensors": 7}) == [
+    assert coverage_problems(totals, ["a", "a", "b"], 5, 90, ["a", "b", "c", "d"],
+                             dataclasses.replace(verify, carried_tensors=7)) == [
         "shard(s) a cast more than once", "shard(s) c cast by no rank", "5 matrices cast, the plan has 6",
         "90 blocks cast, the plan has 100", "shard(s) d verified but not in the plan",
         "verified 7 carried tensors, the plan has 9"]
