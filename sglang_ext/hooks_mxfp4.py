@@ -10,13 +10,14 @@ before any scheme). Its ``create_moe_runner`` knows no registered backend, and i
 - ``create_weights``: the checkpoint's own shapes, unpadded (w13 / w2 nibbles uint8 and their
   E8M0 scales uint8 per 32, the parameters SGLang's MXFP4 loader fills; no bias parameters:
   the release has none);
-- ``process_weights_after_loading``: ``NVFP4MoEWeights.from_mxfp4`` (the kernels' tiled layout,
-  bit-exact to the cast's NVFP4 values), then the checkpoint-layout tensors are freed;
-- ``create_moe_runner`` / ``apply``: the ``triton_situ`` runner core, as for ModelOpt NVFP4.
+- ``process_weights_after_loading``: the backend's ``prepare_mxfp4`` (triton_situ:
+  ``NVFP4MoEWeights.from_mxfp4``, bit-exact to the cast's NVFP4 values, then the
+  checkpoint-layout tensors are freed; torch_reference keeps them as they are);
+- ``create_moe_runner`` / ``apply``: the backend's runner core, as for ModelOpt NVFP4.
 
-Backend ``torch_reference`` takes the same hooks, without the device check, and keeps the loaded
-MXFP4 tensors as they are (hooks_reference.py). Every other backend (marlin, flashinfer_mxfp4,
-triton_kernel, ...) runs SGLang's code unchanged.
+Backend ``torch_reference`` takes the same hooks (backends.py: one object per backend, its device
+check a no-op). Every other backend (marlin, flashinfer_mxfp4, triton_kernel, ...) runs
+SGLang's code unchanged.
 """
 
 from __future__ import annotations
@@ -25,68 +26,37 @@ from typing import Any
 
 import torch
 
-from .layer_checks import check_mxfp4_layer_supported
-from .names import BACKEND_NAME
-from .hooks import (
-    check_device_supported,
-    check_shard_shapes,
-    free_checkpoint_params,
-    is_plugin_backend,
-    is_torch_reference,
-    is_triton_situ,
-    log_active_once,
-    set_kernel_weights,
-)
+from .backends import PluginBackend, plugin_hook
+from .hooks import check_shard_shapes
 
 _METHOD = "sglang.srt.layers.quantization.mxfp4.Mxfp4MoEMethod"
 MXFP4_BLOCK = 32
 # E8M0 127 = 2^0: SGLang's initial value of the scale parameters.
 _E8M0_ONE = 127
-_MXFP4_PARAMS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 
 
-def _global_backend() -> Any:
-    from sglang.srt.layers.moe.utils import get_moe_runner_backend
-
-    return get_moe_runner_backend()
-
-
-def _backend_is_ours() -> bool:
-    """triton_situ or torch_reference (both take the checkpoint's own shapes)."""
-    return is_plugin_backend(_global_backend())
+def _runner_backend(method: Any) -> Any:
+    """The backend of the runner create_moe_runner made (None before it ran)."""
+    return getattr(getattr(method, "runner", None), "runner_backend", None)
 
 
-def init_hook(original_fn, self, *args, **kwargs):
-    if is_triton_situ(_global_backend()):
-        check_device_supported()
+def _init(backend: PluginBackend, original_fn, self, *args, **kwargs):
+    backend.check_device()
     return original_fn(self, *args, **kwargs)
 
 
-def create_weights_hook(
-    original_fn,
-    self,
-    layer,
-    num_experts,
-    hidden_size,
-    intermediate_size_per_partition,
-    params_dtype,
-    with_bias: bool = False,
-    **extra_weight_attrs,
-):
+def _create_weights(backend: PluginBackend, original_fn, self, layer, num_experts, hidden_size,
+                    intermediate_size_per_partition, params_dtype, with_bias: bool = False,
+                    **extra_weight_attrs):  # fmt: skip
     """The checkpoint's shapes, as SGLang's MXFP4 loader fills them, with no kernel padding."""
-    if not _backend_is_ours():
-        return original_fn(
-            self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
-            with_bias=with_bias, **extra_weight_attrs,
-        )
     from sglang.srt.utils import set_weight_attrs
 
     if with_bias:
-        raise NotImplementedError(f"{BACKEND_NAME}: MXFP4 MoE layers with biases are not supported")
+        raise NotImplementedError(f"{backend.name}: MXFP4 MoE layers with biases are not supported")
     check_shard_shapes(hidden_size, intermediate_size_per_partition, layer, block=MXFP4_BLOCK,
-                       block_name="the MXFP4 block")
+                       block_name="the MXFP4 block", backend=backend.name)
     E, H, I = layer.num_local_experts, hidden_size, intermediate_size_per_partition
-    # What SGLang's method records for its own apply paths (never reached for triton_situ).
+    # What SGLang's method records for its own apply paths (never reached for the plugin's backends).
     self.num_experts, self.with_bias = num_experts, False
     self.intermediate_size_per_partition, self.hidden_size = I, H
     shapes = {
@@ -104,37 +74,13 @@ def create_weights_hook(
     return None
 
 
-def build_layer_weights_mxfp4(layer: Any) -> Any:
-    """NVFP4MoEWeights from the layer's loaded MXFP4 tensors (E2M1 nibbles, E8M0 scales per 32)."""
-    from k3nvfp4.kernels import NVFP4MoEWeights
-
-    return NVFP4MoEWeights.from_mxfp4(
-        layer.w13_weight.data,
-        layer.w13_weight_scale.data,
-        layer.w2_weight.data,
-        layer.w2_weight_scale.data,
-    )
-
-
-def process_weights_hook(original_fn, self, layer):
-    backend = _global_backend()
-    if is_torch_reference(backend):
-        from .hooks_reference import prepare_mxfp4_layer_for_reference
-
-        prepare_mxfp4_layer_for_reference(self, layer)
-        return None
-    if not is_triton_situ(backend):
-        return original_fn(self, layer)
-    check_mxfp4_layer_supported(self, layer)
-    weights = set_kernel_weights(layer, build_layer_weights_mxfp4(layer))
-    free_checkpoint_params(layer, weights, _MXFP4_PARAMS)
-    log_active_once(layer, weights, source="MXFP4 (E8M0 scales per 32, read directly)")
+def _process_weights(backend: PluginBackend, original_fn, self, layer):
+    backend.prepare_mxfp4(self, layer)
     return None
 
 
-def create_moe_runner_hook(original_fn, self, layer, moe_runner_config):
-    if not _backend_is_ours():
-        return original_fn(self, layer, moe_runner_config)
+def _create_moe_runner(backend: PluginBackend, original_fn, self, layer, moe_runner_config):
+    """Mxfp4MoEMethod's own create_moe_runner knows no registered backend: the plugin's runner."""
     from sglang.srt.layers.moe import MoeRunner
     from sglang.srt.layers.moe.utils import get_moe_runner_backend
 
@@ -143,17 +89,15 @@ def create_moe_runner_hook(original_fn, self, layer, moe_runner_config):
     return None
 
 
-def apply_hook(original_fn, self, layer, dispatch_output):
-    backend = getattr(getattr(self, "runner", None), "runner_backend", None)
-    if is_torch_reference(backend):
-        from .hooks_reference import run_torch_reference
+def _apply(backend: PluginBackend, original_fn, self, layer, dispatch_output):
+    return backend.apply(self, layer, dispatch_output)
 
-        return run_torch_reference(self, layer, dispatch_output)
-    if not is_triton_situ(backend):
-        return original_fn(self, layer, dispatch_output)
-    from .hooks import run_triton_situ
 
-    return run_triton_situ(self, layer, dispatch_output)
+init_hook = plugin_hook(_init)
+create_weights_hook = plugin_hook(_create_weights)
+process_weights_hook = plugin_hook(_process_weights)
+create_moe_runner_hook = plugin_hook(_create_moe_runner)
+apply_hook = plugin_hook(_apply, _runner_backend)
 
 
 HOOKS = (

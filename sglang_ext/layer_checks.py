@@ -1,6 +1,6 @@
 """What both plugin backends (triton_situ, torch_reference) refuse in a MoE layer, after loading
-and before preparing it: one module that hooks.py, hooks_mxfp4.py and hooks_reference.py all
-import, so none of them imports another for it. ``backend`` names the backend in the errors."""
+and before preparing it: one module that backend_triton.py and backend_reference.py both import,
+so neither imports the other for it. ``backend`` names the backend in the errors."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@
    (add_moe_runner_backend_choices) and runner-core factories (register_moe_runner_core).
 2. HookRegistry AROUND hooks on ModelOptNvFp4FusedMoEMethod (hooks.py: the cast NVFP4
    checkpoint) and on Mxfp4MoEMethod (hooks_mxfp4.py: the MXFP4 release, read directly), for
-   both backends (hooks_reference.py: what torch_reference keeps at load and runs);
+   both backends (backends.py: one object per backend name, which prepares a loaded layer and
+   runs it: backend_triton.py, backend_reference.py);
    SGLang's ``load_plugins()`` applies them right after the plugins ran.
 3. ``K3NVFP4_LOAD_TIMEOUT_S`` -> SGLang's unbalanced-loading timeout (see load_timeout.py).
 

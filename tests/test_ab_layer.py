@@ -131,6 +131,26 @@ def test_arm_whose_code_does_not_import_is_not_available(monkeypatch):
     assert rep.arm("reference").ok
 
 
+def test_arm_registry_defaults_pairs_and_unknown_names():
+    """One registry: the default arms per source format, the pairs compared, an unknown name refused."""
+    import types
+
+    from k3nvfp4.sglang_ext.ab.arms import ARM_NAMES, ARMS, arm_pairs, build_arm, default_arms
+
+    assert default_arms(types.SimpleNamespace(source_format="nvfp4")) == ("reference", "triton_situ", "marlin",
+                                                                         "flashinfer")
+    assert default_arms(types.SimpleNamespace(source_format="mxfp4")) == ("reference", "triton_situ",
+                                                                         "triton_situ_cast", "marlin", "flashinfer")
+    pairs = arm_pairs()
+    assert pairs[:6] == [(a, "reference") for a in ARM_NAMES if a != "reference"]  # every arm against the reference
+    assert set(pairs[6:]) == {("triton_situ", "triton_situ_cast"), ("triton_situ", "marlin"),
+                              ("triton_situ", "flashinfer"), ("triton_situ:nvfp4", "triton_situ"),
+                              ("triton_situ:mxfp8", "triton_situ")}
+    assert all(b in ARMS for arm in ARMS.values() for b in arm.compare_with)
+    with pytest.raises(ValueError, match="unknown arm 'nope'; choose from reference, triton_situ"):
+        build_arm("nope", None, torch.device("cpu"), torch.float32)
+
+
 def test_layer_cli_activation_file_reference_only(tmp_path, capsys):
     ex = synthetic_layer(4, 64, 32, top_k=2, seed=0)
     r = realistic_routed_inputs(5, 64, 4, 2, seed=9)

@@ -249,7 +249,7 @@ def one_rank(sglang_plugins):
 def single_rank_run(one_rank, nvfp4_checkpoint):
     """The whole layer on one rank: (layer, checkpoint tensors, inputs, outputs, log records)."""
     from k3nvfp4.checkpoint.layer import load_moe_layer_nvfp4
-    from k3nvfp4.sglang_ext import hooks
+    from k3nvfp4.sglang_ext import backend_triton
 
     layer = _build_layer(nvfp4_checkpoint, MOE_LAYER)
     _load_layer(layer, nvfp4_checkpoint, MOE_LAYER)
@@ -257,11 +257,11 @@ def single_rank_run(one_rank, nvfp4_checkpoint):
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    hooks_logger = logging.getLogger(hooks.__name__)
+    hooks_logger = logging.getLogger(backend_triton.__name__)
     hooks_logger.addHandler(handler)
     old_level = hooks_logger.level
     hooks_logger.setLevel(logging.INFO)
-    hooks._logged_active = False
+    backend_triton._logged_active = False
     try:
         layer.quant_method.process_weights_after_loading(layer)
     finally:
@@ -439,7 +439,7 @@ def test_loaded_tensors_match_checkpoint(single_rank_run):
 
 
 def test_process_weights_keeps_linear_scales(single_rank_run):
-    from k3nvfp4.sglang_ext.hooks import WEIGHTS_ATTR
+    from k3nvfp4.sglang_ext.backend_triton import WEIGHTS_ATTR
 
     layer, loaded = single_rank_run.layer, single_rank_run.loaded
     weights = getattr(layer, WEIGHTS_ATTR)
@@ -504,7 +504,7 @@ def test_separate_gate_up_scale_2(single_rank_run):
     """Gate and up halves with different weight_scale_2: applied before SiTU, each to its half."""
     from k3nvfp4.kernels import NVFP4MoEWeights
 
-    from k3nvfp4.sglang_ext.hooks import WEIGHTS_ATTR
+    from k3nvfp4.sglang_ext.backend_triton import WEIGHTS_ATTR
 
     run = single_rank_run
     layer = run.layer
@@ -706,6 +706,22 @@ def test_other_backends_still_reject_situ(one_rank, backend_name):
     assert method.runner.calls == []
 
 
+def test_each_plugin_backend_name_is_one_backend_object():
+    """backends.BACKENDS: one object per registered name, resolved from a name or an enum-like
+    value; SGLang's own backends (and none selected) resolve to None, so the hooks call SGLang."""
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    from k3nvfp4.sglang_ext.backends import BACKENDS, plugin_backend
+    from k3nvfp4.sglang_ext.names import BACKEND_NAME, REFERENCE_BACKEND_NAME
+
+    assert set(BACKENDS) == {BACKEND_NAME, REFERENCE_BACKEND_NAME}
+    for name, backend in BACKENDS.items():
+        assert backend.name == name
+        assert plugin_backend(name) is plugin_backend(types.SimpleNamespace(value=name)) is backend
+        assert all(callable(getattr(backend, m)) for m in ("check_device", "prepare_modelopt", "prepare_mxfp4", "apply"))
+    assert plugin_backend(MoeRunnerBackend.MARLIN) is None and plugin_backend(None) is None
+
+
 def test_hooks_pass_other_backends_through_unchanged(one_rank):
     """For any backend but triton_situ each hook calls SGLang's original with the same arguments
     and returns its result, touching nothing."""
@@ -713,6 +729,7 @@ def test_hooks_pass_other_backends_through_unchanged(one_rank):
     from sglang.srt.runtime_context import get_flags
 
     from k3nvfp4.sglang_ext import hooks
+    from k3nvfp4.sglang_ext.backend_triton import WEIGHTS_ATTR
 
     calls = []
 
@@ -740,7 +757,7 @@ def test_hooks_pass_other_backends_through_unchanged(one_rank):
         ((method, layer), {}),
         ((method, layer, "dispatch"), {}),
     ]
-    assert layer.w13_blockscale_swizzled == "kept" and not hasattr(layer, hooks.WEIGHTS_ATTR)
+    assert layer.w13_blockscale_swizzled == "kept" and not hasattr(layer, WEIGHTS_ATTR)
 
 
 def test_mxfp4_hooks_pass_other_backends_through_unchanged(one_rank):
@@ -772,7 +789,7 @@ def test_mxfp4_hooks_pass_other_backends_through_unchanged(one_rank):
     assert hooks_mxfp4.apply_hook(original, method, layer, "dispatch") == "original-result"
     assert calls == [
         ((method,), {"prefix": "p"}),
-        ((method, layer, 8, 64, 64, torch.bfloat16), {"with_bias": False, "weight_loader": 1}),
+        ((method, layer, 8, 64, 64, torch.bfloat16), {"weight_loader": 1}),
         ((method, layer), {}),
         ((method, layer, "cfg"), {}),
         ((method, layer, "dispatch"), {}),

@@ -1,6 +1,8 @@
 """The arms of the layer A/B. Each arm turns an NVFP4 MoE layer into a callable
 `run(hidden_states, topk_weights, topk_ids) -> [M, H]`, or raises ArmUnavailable with the
-reason. An unavailable arm is reported as such and never replaced by another one.
+reason. An unavailable arm is reported as such and never replaced by another one. ``ARMS`` (at the
+end) is the one registry: name -> builder, the arms its output is compared with, and whether it
+runs by default; a new arm is a builder and one line there.
 
 - reference:   k3nvfp4.kernels.fused_moe_nvfp4_reference (plain torch, W4A16; always runs)
 - triton_situ: k3nvfp4.kernels.fused_moe_nvfp4 (Triton; CUDA, or the interpreter on CPU) on the
@@ -29,6 +31,7 @@ reason. An unavailable arm is reported as such and never replaced by another one
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -36,26 +39,20 @@ import torch
 if TYPE_CHECKING:
     from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
-FP4_MODE_ARMS = {"triton_situ:nvfp4": "nvfp4", "triton_situ:mxfp8": "mxfp8"}
-ARM_NAMES = ("reference", "triton_situ", "triton_situ_cast", *FP4_MODE_ARMS, "marlin", "flashinfer")
-DEFAULT_ARMS = ("reference", "triton_situ", "marlin", "flashinfer")  # + triton_situ_cast for MXFP4 layers
 RunFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# An arm's builder: (layer, device, activation dtype) -> (run, notes), or ArmUnavailable.
+BuildFn = Callable[["NVFP4MoELayer", torch.device, torch.dtype], "tuple[RunFn, list[str]]"]
 
 
 class ArmUnavailable(RuntimeError):
     """This arm cannot run here; the message is the reason shown in the report."""
 
 
-def build_reference(ex: NVFP4MoELayer, device: torch.device) -> tuple[RunFn, list[str]]:
+def build_reference(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
     from k3nvfp4.kernels import fused_moe_nvfp4_reference
 
     w, kw = ex.weights.to(device), ex.activation_kwargs()
     return (lambda x, tw, ids: fused_moe_nvfp4_reference(x, w, tw, ids, **kw)), []
-
-
-def default_arms(ex: NVFP4MoELayer) -> tuple[str, ...]:
-    """The arms a layer A/B runs when --arms is not given."""
-    return DEFAULT_ARMS[:2] + ("triton_situ_cast",) + DEFAULT_ARMS[2:] if ex.source_format == "mxfp4" else DEFAULT_ARMS
 
 
 def _cast_weights(ex: NVFP4MoELayer):
@@ -67,6 +64,7 @@ def _cast_weights(ex: NVFP4MoELayer):
 
 def build_triton_situ(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype, *,
                       cast: bool = False) -> tuple[RunFn, list[str]]:  # fmt: skip
+    """fused_moe_nvfp4 (W4A16) on the layer's weights, or (``cast``) on the cast of its MXFP4 experts."""
     from k3nvfp4.kernels.interpreter import kernels_interpreted
 
     if device.type != "cuda" and not kernels_interpreted():
@@ -189,7 +187,7 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
     """FlashInfer's SiTU MoE (flashinfer_arm): SM90 W4A16 on the experts as MXFP4, SM100 NVFP4 x NVFP4 on
     them as they are; where it cannot run, or the experts do not have the form it takes,
     ArmUnavailable with the reason."""
-    from k3nvfp4.kernels.moe_fp4_details.weights import E8M0RecoveryError
+    from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError
 
     from .flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights, unavailable_reason
 
@@ -217,18 +215,50 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
     return (lambda x, tw, ids: run(x, tw, ids)), [f"flashinfer {flashinfer.__version__} {path}; {act}"]
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the layer A/B: how it is built, which arms its output is compared with (``a vs
+    b`` rows of the report, the reference first), and whether it runs without --arms
+    (``default``: "always", "mxfp4" for MXFP4 layers only, or "no")."""
+
+    build: BuildFn
+    compare_with: tuple[str, ...] = ("reference",)
+    default: str = "no"
+
+
+def _fp4_mode(act_quant: str) -> BuildFn:
+    return lambda ex, device, dtype: build_triton_situ_fp4(ex, device, dtype, act_quant)
+
+
+# Every arm, by name (the order of the report). A new arm: its builder above and one line here.
+ARMS: dict[str, Arm] = {
+    "reference": Arm(build_reference, compare_with=(), default="always"),
+    "triton_situ": Arm(build_triton_situ, ("reference", "triton_situ_cast", "marlin", "flashinfer"), "always"),
+    "triton_situ_cast": Arm(lambda ex, device, dtype: build_triton_situ(ex, device, dtype, cast=True),
+                            default="mxfp4"),
+    "triton_situ:nvfp4": Arm(_fp4_mode("nvfp4"), ("reference", "triton_situ")),
+    "triton_situ:mxfp8": Arm(_fp4_mode("mxfp8"), ("reference", "triton_situ")),
+    "marlin": Arm(build_marlin, default="always"),
+    "flashinfer": Arm(build_flashinfer, default="always"),
+}
+ARM_NAMES = tuple(ARMS)
+
+
+def default_arms(ex: NVFP4MoELayer) -> tuple[str, ...]:
+    """The arms a layer A/B runs when --arms is not given."""
+    wanted = ("always", "mxfp4") if ex.source_format == "mxfp4" else ("always",)
+    return tuple(name for name, arm in ARMS.items() if arm.default in wanted)
+
+
+def arm_pairs() -> list[tuple[str, str]]:
+    """(a, b) pairs compared where both ran: every arm against the reference, then the others."""
+    first = [(a, "reference") for a, arm in ARMS.items() if "reference" in arm.compare_with]
+    return first + [(a, b) for a, arm in ARMS.items() for b in arm.compare_with if b != "reference"]
+
+
 def build_arm(name: str, ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
     """Callable and notes of arm `name`; raises ArmUnavailable (reason) or ValueError (unknown name)."""
-    if name == "reference":
-        return build_reference(ex, device)
-    if name == "triton_situ":
-        return build_triton_situ(ex, device, dtype)
-    if name == "triton_situ_cast":
-        return build_triton_situ(ex, device, dtype, cast=True)
-    if name in FP4_MODE_ARMS:
-        return build_triton_situ_fp4(ex, device, dtype, FP4_MODE_ARMS[name])
-    if name == "marlin":
-        return build_marlin(ex, device, dtype)
-    if name == "flashinfer":
-        return build_flashinfer(ex, device, dtype)
-    raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES)}")
+    arm = ARMS.get(name)
+    if arm is None:
+        raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES)}")
+    return arm.build(ex, device, dtype)

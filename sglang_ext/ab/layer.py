@@ -21,17 +21,11 @@ from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
 from ...common.files import write_text_atomic
 from . import plots
-from .arms import ARM_NAMES, ArmUnavailable, build_arm, default_arms
+from .arms import ARM_NAMES, ArmUnavailable, arm_pairs, build_arm, default_arms
 from .errors import InputError
 from .layer_inputs import load_activations, load_checkpoint_layer, realistic_routed_inputs, synthetic_layer
 from .metrics import PairMetrics, compare_outputs
 from .report import fmt, markdown_table, write_json
-
-PAIRS = (("triton_situ", "reference"), ("triton_situ_cast", "reference"), ("triton_situ:nvfp4", "reference"),
-         ("triton_situ:mxfp8", "reference"), ("marlin", "reference"), ("flashinfer", "reference"),
-         ("triton_situ", "triton_situ_cast"), ("triton_situ:nvfp4", "triton_situ"), ("triton_situ:mxfp8", "triton_situ"),
-         ("triton_situ", "marlin"), ("triton_situ", "flashinfer"))
-
 
 @dataclass
 class LayerABConfig:
@@ -203,7 +197,7 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
         results.append(ArmResult(name, "ok", times, notes, float(out.double().pow(2).mean().sqrt())))
 
     pairs = [compare_outputs(outputs[a], outputs[b], ids, w.num_experts, name_a=a, name_b=b)
-             for a, b in PAIRS if a in outputs and b in outputs]
+             for a, b in arm_pairs() if a in outputs and b in outputs]
     setup = {"weights": ex.source, "inputs": inp.source, "tokens": int(x.shape[0]), "top_k": int(ids.shape[1]),
              "source_format": ex.source_format, "num_experts": w.num_experts, "hidden_size": w.hidden_size, "intermediate_size": w.intermediate_size,
              "dtype": cfg.dtype, "activation": ex.hidden_act, "situ_beta": ex.situ_beta,

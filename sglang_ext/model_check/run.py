@@ -76,7 +76,7 @@ def _a_log_forms(reader, text: dict[str, Any]) -> list[dict[str, Any]]:
 def _moe_after_postprocess(model: torch.nn.Module) -> tuple[dict[str, Any], list[str]]:
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
-    from ..hooks import WEIGHTS_ATTR
+    from ..backend_triton import WEIGHTS_ATTR
 
     info, problems = {}, []
     for prefix, layer in model.named_modules():

@@ -1,4 +1,4 @@
-"""What ``--moe-runner-backend torch_reference`` does in the hooks of hooks.py / hooks_mxfp4.py.
+"""Backend ``torch_reference``: what it does in the hooks of hooks.py / hooks_mxfp4.py.
 
 After loading, a layer keeps the tensors SGLang's loader filled, as they are: ModelOpt NVFP4
 (w13/w2 nibbles, linear E4M3 block scales, scale_2 per gate/up) or the MXFP4 release (nibbles,
@@ -21,6 +21,24 @@ logger = logging.getLogger(__name__)
 EXPERTS_ATTR = "k3nvfp4_reference_experts"
 
 _logged_active = False
+
+
+class TorchReferenceBackend:
+    """``--moe-runner-backend torch_reference`` (one instance, in backends.BACKENDS)."""
+
+    name = REFERENCE_BACKEND_NAME
+
+    def check_device(self) -> None:
+        """Any device torch runs on."""
+
+    def prepare_modelopt(self, method: Any, layer: Any) -> Any:
+        return prepare_modelopt_layer_for_reference(layer)
+
+    def prepare_mxfp4(self, method: Any, layer: Any) -> Any:
+        return prepare_mxfp4_layer_for_reference(method, layer)
+
+    def apply(self, method: Any, layer: Any, dispatch_output: Any) -> Any:
+        return run_torch_reference(method, layer, dispatch_output)
 
 
 def prepare_modelopt_layer_for_reference(layer: Any) -> Any:
