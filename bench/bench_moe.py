@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU benchmark of the fused NVFP4 SiTU MoE (k3nvfp4.kernels.fused_moe_nvfp4).
 
-Shapes (per rank of Kimi-K3, FACTS.md):
+Shapes (per rank of Kimi-K3, docs/facts.md#kimi-k3-routed-experts):
   tp16: E=896, H=3584, I=192, top-16 (every expert local, I sharded 16 ways)
   ep16: 56 local experts of 896, H=3584, I=3072, top-16 over all 896; ids outside the local
         range become -1 (about 1 local route per token)

@@ -1,7 +1,7 @@
 """Synthetic Kimi-K3 MXFP4 checkpoints: the exact release layout, at any size.
 
 The input of the tests, ``make demo`` and the cast benchmark. What it writes mirrors the
-Kimi-K3 release (see FACTS.md):
+Kimi-K3 release (docs/facts.md#kimi-k3-routed-experts, #checkpoint-formats):
 
 - ``config.json`` of a ``KimiK3ForConditionalGeneration`` with a nested ``text_config``
   (SiTU activation, latent MoE sizes, KDA ``linear_attn_config``) whose
@@ -211,7 +211,7 @@ def _tensor_plan(
             bf16(f"{a}.f_b_proj.weight", proj, dims.head_dim)
             for w in ("q_conv1d", "k_conv1d", "v_conv1d"):
                 bf16(f"{a}.{w}.weight", proj, 1, 4, std=0.2)
-            # Stored at head_dim: num_heads trained decays, then exact zeros (FACTS.md).
+            # Stored at head_dim: num_heads trained decays, then exact zeros (docs/facts.md#checkpoint-formats).
             specs.append(_TensorSpec(
                 f"{a}.A_log", (dims.head_dim,), torch.float32,
                 _f32((dims.head_dim,), lambda rng: np.concatenate(

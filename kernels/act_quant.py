@@ -17,7 +17,7 @@ MXFP8 (act_quant="mxfp8"), per 32 elements (OCP MX, E8M0 shared exponent):
   scale 2^k with k = ceil(log2(amax_blk / 448)) (the smallest power of two that keeps every value
   within E4M3's 448, so nothing saturates), computed exactly from amax's bits; the E8M0 byte
   k + 127 is clamped to [1, 254]: byte 0 (2^-127) is avoided because Triton 3.8 decodes it as 0
-  (FACTS.md); an all-zero block gets byte 1.
+  (docs/facts.md#triton); an all-zero block gets byte 1.
   values e4m3_rne(x / 2^k) (exact division by a power of two, then one rounding).
 All divisions are IEEE fp32 (the kernels use div_rn), so kernel and reference agree bit for bit.
 """

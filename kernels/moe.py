@@ -126,7 +126,7 @@ def fused_moe_nvfp4(
     if deterministic and config.atomic_reduce:
         config = dataclasses.replace(config, atomic_reduce=False)
 
-    # The interpreter's tl.dot on 16-bit operands is wrong (FACTS.md): fp32 dots there. fp32
+    # The interpreter's tl.dot on 16-bit operands is wrong (docs/facts.md#triton): fp32 dots there. fp32
     # inputs get IEEE fp32 dots (no TF32) so that the exact tests mean something on a GPU.
     dot_f32 = interp or dtype == torch.float32
     dot_dtype = tl.float32 if dot_f32 else _TL_DTYPE[dtype]

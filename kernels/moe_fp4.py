@@ -52,7 +52,7 @@ __all__ = ["ACT_QUANT_MODES", "E8M0RecoveryError", "FP4MMAWeights", "FP4MoEConfi
 
 _MODE = {"nvfp4": _k.MODE_NVFP4, "mxfp8": _k.MODE_MXFP8}
 # First Triton release whose dot_scaled decomposition (non-Blackwell GPUs) takes E4M3 block
-# scales per 16 (NVFP4, triton PR 9772; 3.6 predates it, FACTS.md).
+# scales per 16 (NVFP4, triton PR 9772; 3.6 predates it, docs/facts.md#triton).
 _NVFP4_DECOMPOSED_MIN_TRITON = (3, 7)
 _INTERPRETER_MIN_TRITON = (3, 8)  # tl.dot_scaled in the interpreter
 

@@ -73,7 +73,7 @@ class Device:
 
 
 # H200 SXM: 132 SMs, 1.98 GHz boost, 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (NVIDIA H200 datasheet);
-# ~4.3 TB/s measured device copy (FACTS.md, the project's H200); 227 KiB shared per block, 228 KiB per
+# ~4.3 TB/s measured device copy (docs/facts.md#hardware, the project's H200); 227 KiB shared per block, 228 KiB per
 # SM, 64K registers and 2048 threads per SM (CUDA programming guide, compute capability 9.0).
 H200 = Device("H200", 90, 132, 1.98e9, 4.8e12, 4.3e12, 989e12)
 # B200: 148 SMs, ~1.9 GHz, 8 TB/s HBM3e, 2.25 PFLOP/s dense bf16 (NVIDIA DGX B200 datasheet, per GPU);
@@ -145,7 +145,7 @@ class Shard:
 
 
 def _k3(name: str, tp: int = 1, ep: int = 1) -> Shard:
-    # Kimi-K3 routed experts (FACTS.md): 896 experts, H = 3584, I = 3072, top-16.
+    # Kimi-K3 routed experts (docs/facts.md#kimi-k3-routed-experts): 896 experts, H = 3584, I = 3072, top-16.
     return Shard(name, 896 // ep, 896, 3584, 3072 // tp, 16)
 
 

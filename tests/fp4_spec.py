@@ -37,7 +37,7 @@ MXFP8 (OCP MX v1.0: blocks of 32, one E8M0 shared scale X, E4M3 elements P_i, va
      choice of NVIDIA's MXFP8 recipe). Both are valid MX encodings; this oracle computes the
      project's k exactly (an integer search on exact float64 products, not a log). k + 127 is
      clamped to [1, 254]: 254 is E8M0's largest finite byte; byte 0 (2^-127) is legal in the spec
-     but avoided because Triton 3.8 decodes it as 0 (FACTS.md). An all-zero block gets byte 1.
+     but avoided because Triton 3.8 decodes it as 0 (docs/facts.md#triton). An all-zero block gets byte 1.
   2. elements P_i = E4M3(V_i / X): the division by a power of two is exact in float64, then ONE
      rounding to nearest even; clamped to +-448 (section 6.3), a no-op with this X.
 """

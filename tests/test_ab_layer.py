@@ -96,7 +96,7 @@ def test_layer_ab_cpu_reference_triton_marlin_unavailable(tmp_path):
     # No arm substituted: marlin appears in no pair; the one pair is triton_situ vs reference.
     assert [(p.a, p.b) for p in rep.pairs] == [("triton_situ", "reference")]
     p = rep.pairs[0]
-    # The interpreter truncates the fp32 -> bf16 intermediate (FACTS.md) where the reference rounds
+    # The interpreter truncates the fp32 -> bf16 intermediate (docs/facts.md#triton) where the reference rounds
     # to nearest: ~1 bf16 ulp per intermediate element, so a few 1e-3 normwise here.
     assert p.rel_err < 2e-2 and p.cosine > 0.9999 and p.max_abs_err > 0
     assert {e.expert for e in p.per_expert} <= {0, 1, 2, 3} and sum(e.tokens for e in p.per_expert) == 16 * 2

@@ -34,7 +34,8 @@ from .marlin_sass import CallSite, Flags, Statics, Tile, candidates, moe_block_s
 MARLIN_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # E2M1 nibble + E4M3 scale per 16 weights
 
 # Published whole-call timings of marlin on an H200, Kimi-K3 TP16 shard (SGLang 0.5.14, SiLU in
-# place of SiTU, balanced routing; ai-dynamo aiconfigurator data; FACTS.md): M -> (low, high) us.
+# place of SiTU, balanced routing; ai-dynamo aiconfigurator data; docs/facts.md#published-peer-timings):
+# M -> (low, high) us.
 PUBLISHED_TP16_US = {1: (75, 75), 4: (106, 106), 16: (233, 233), 64: (640, 675), 256: (640, 675), 1024: (1194, 1194)}
 
 

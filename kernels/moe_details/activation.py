@@ -1,5 +1,5 @@
 """The gated activations of GEMM1's epilogue, in fp32, shared by both kernel families: SiTU
-(FACTS.md: beta tanh(g / beta) sigmoid(g) x the linear-capped up, linear_beta tanh(u / linear_beta))
+(docs/facts.md#situ: beta tanh(g / beta) sigmoid(g) x the linear-capped up, linear_beta tanh(u / linear_beta))
 and SiLU-and-mul. Written with exp of non-positive arguments only, so no input overflows.
 
 tanh keeps fp32 relative accuracy at every magnitude (tests/test_situ_accuracy.py sweeps the

@@ -2,7 +2,7 @@
 
 Independent of SGLang's modules and of this project's kernels: NVFP4 and MXFP4 are decoded
 from the E2M1 table and the E4M3 / E8M0 scales by hand, everything is computed in fp32 from the stored values.
-The block (K3 latent MoE, FACTS.md):
+The block (K3 latent MoE, docs/facts.md#kimi-k3-routed-experts):
 
     router   scores = sigmoid(x @ gate^T); selection on scores + e_score_correction_bias
              (grouped top-k when num_expert_group > 1); weights = the selected scores,
