@@ -555,8 +555,8 @@ class _Gathered:
 def _run_cast(options: CastOptions, coord: Coordinator) -> dict:
     t_start = time.perf_counter()
     plan, mine = _plan_and_compare(options, coord)
-    finished = _prepare(options, plan, coord)
-    if finished is not None:  # rank 0 found a finished cast of this source with these options
+    done, finished = _prepare(options, plan, coord)
+    if done:  # rank 0 found a finished cast of this source with these options (its report: rank 0 only)
         return _already_done(options, plan, finished, coord, mine)
     share = _resume(options, plan, mine, coord)
     rank_row = RankRow(rank=coord.rank, host=platform.node(), pid=os.getpid(), workers=options.workers,
@@ -591,10 +591,10 @@ def _plan_and_compare(options: CastOptions, coord: Coordinator) -> tuple[CastPla
     return plan, mine
 
 
-def _prepare(options: CastOptions, plan: CastPlan, coord: Coordinator) -> dict | None:
+def _prepare(options: CastOptions, plan: CastPlan, coord: Coordinator) -> tuple[bool, dict | None]:
     """Phase 2: rank 0 alone touches the output before the cast (refuse, resume, --overwrite,
-    leftovers); the other ranks check that they see the directory it prepared. Returns the
-    finished report where the output already is this cast, else None."""
+    leftovers); the other ranks check that they see the directory it prepared. Returns whether
+    the output already is this cast (on every rank) and, on rank 0, its finished report."""
     finished, token = None, None
     if coord.is_root:
         _, finished = _prepare_output(options, plan)
@@ -608,7 +608,7 @@ def _prepare(options: CastOptions, plan: CastPlan, coord: Coordinator) -> dict |
         if not coord.is_root:
             check_launch_token(options.output, prepared.token, prepared.output)
         coord.exchange("joined", None)
-    return finished if prepared.finished else None
+    return prepared.finished, finished
 
 
 def _read_record(path: Path, shard: str) -> ShardRecord:
@@ -793,7 +793,7 @@ def _report(options: CastOptions, plan: CastPlan, stats: CastStats, matrices: in
     }
 
 
-def _already_done(options: CastOptions, plan: CastPlan, report: dict, coord: Coordinator,
+def _already_done(options: CastOptions, plan: CastPlan, report: dict | None, coord: Coordinator,
                   mine: list[ShardPlan]) -> dict:
     """The output is a finished cast of this source with these options: nothing is cast again.
     With --verify every shard is verified again from disk (each rank its own) and the report's

@@ -181,6 +181,14 @@ def test_torchrun_three_ranks_write_the_single_process_bytes(source, reference, 
     for r in range(3):
         assert f"cast (rank {r} of 3): " in run.stderr and f"k3nvfp4-cast: rank {r} of 3: joined (torchrun" in run.stderr
     assert run.stdout.count("Cast fidelity") == 1 and "rank 1 of 3: cast 2 of its 2 shard(s)" in run.stdout
+    # The same launch on the finished output: every rank learns it from rank 0 and verifies its shards again.
+    again = subprocess.run([sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                            "-m", "k3nvfp4.checkpoint", *_cast_args(source, out, "--verify")],
+                           env=_env(), capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert again.returncode == 0, again.stderr
+    for r in (1, 2):
+        assert f"rank {r} of 3: already a finished cast, verified again" in again.stdout, again.stdout
+    assert again.stdout.count("PASSED") == 1 and _tree_hash(out) == reference  # nothing cast again
 
 
 def test_killed_rank_stops_every_rank_then_the_same_launch_resumes(source, reference, tmp_path):
