@@ -52,11 +52,11 @@ from .moe_details.config import (
     MoEConfig,
     config_dir,
     config_file_name,
-    current_device_name,
     heuristic_moe_config,
     user_config_dir,
 )
 from .moe_details.weights import NVFP4MoEWeights
+from .target import capability, current_device_name
 from .testing import kimi_routing, random_nvfp4_moe_weights
 
 PARTIAL_SUFFIX = ".partial.json"
@@ -617,7 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timer = Timer(device, warmup, iters)
         launch_check = None
         if device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(device)
+            major, minor = capability(device)
             launch_check = offline_launch_check(shape, 10 * major + minor, device_model_of(device))
         # A bar on a terminal; in a log (or with --no-progress) a status line every interval.
         outer = progress_bar(len(todo), "batch sizes", bars=not args.no_progress, unit="M")

@@ -14,11 +14,11 @@ import torch
 
 import k3nvfp4.kernels.moe as moe
 from k3nvfp4.kernels import tune
+from k3nvfp4.kernels.target import current_device_name
 from k3nvfp4.kernels.moe_details.config import (
     CONFIG_DIR_ENV,
     MoEConfig,
     config_file_name,
-    current_device_name,
     get_moe_config,
     heuristic_moe_config,
     load_moe_configs,

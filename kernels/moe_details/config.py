@@ -51,6 +51,8 @@ import pathlib
 import stat
 from dataclasses import dataclass
 
+from ..target import current_arch, current_device_name
+
 CONFIG_DIR_ENV = "K3NVFP4_MOE_CONFIG_DIR"
 DEFAULT_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 # A tuned batch size further than this factor from M is not trusted for M.
@@ -161,27 +163,6 @@ class GemmLaunch:
     def label(self) -> str:
         return (f"bm{self.block_m} {'swap' if self.swap_ab else 'noswap'} bn{self.block_n} bk{self.block_k}"
                 f" sk{self.split_k} w{self.num_warps} s{self.num_stages}")
-
-
-@functools.lru_cache(maxsize=16)
-def current_device_name(device=None) -> str:
-    """CUDA device name as used in config file names (spaces -> '_', like SGLang), or 'cpu'."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
-
-
-@functools.lru_cache(maxsize=16)
-def current_arch(device=None) -> int:
-    """CUDA compute capability x 10 of the current device (90 = H100/H200), 90 without a GPU."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 90
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
 
 
 def config_file_name(E: int, H: int, I: int, device_name: str) -> str:

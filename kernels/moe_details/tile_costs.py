@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..perf_model import LoopCost
+from ..target import triton_release
 from .layout import E5M3_16
 from .tile_cost_table import COSTS
 
@@ -60,18 +61,11 @@ def _tiles() -> tuple[Tile, ...]:
 TILES = _tiles()
 
 
-def triton_version() -> str:
-    """The installed Triton's major.minor ("3.8")."""
-    import triton
-
-    return ".".join(triton.__version__.split(".")[:2])
-
-
 def _table(arch: int, version: str | None = None, fmt=None) -> dict[str, tuple[int, int, int, int]]:
     """The cost table of sm<arch> for a Triton version: its own if measured, else the newest one
     measured (the loops of one Triton version are not another's: Triton 3.6 lowers the 2-warp
     tiles to a costlier loop than 3.8 does)."""
-    version = version or triton_version()
+    version = version or triton_release()
     key = version if version in COSTS else max(COSTS, key=lambda v: tuple(int(x) for x in v.split(".")))
     return COSTS.get(key, {}).get(100 if arch >= 100 else 90, {}).get((fmt or E5M3_16).name, {})
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 
 from ..moe_fp4_details.costs import ARCH, tile_key
-from ..moe_details.tile_costs import triton_version
+from ..target import triton_release
 
 COMMAND = "python -P -m k3nvfp4.kernels.offline.fp4_costs --write"
 
@@ -68,7 +68,7 @@ def write(costs: dict) -> pathlib.Path:
     from ..moe_fp4_details import cost_table
 
     path = pathlib.Path(cost_table.__file__)
-    write_text_atomic(path, render(costs, triton_version(), _dt.date.today().isoformat()))
+    write_text_atomic(path, render(costs, triton_release(), _dt.date.today().isoformat()))
     return path
 
 

@@ -27,7 +27,8 @@ import sys
 
 from ..moe_details import tile_cost_table
 from ..moe_details.layout import E5M3_16, SCALE_FORMATS
-from ..moe_details.tile_costs import TILES, Tile, triton_version
+from ..moe_details.tile_costs import TILES, Tile
+from ..target import triton_release
 
 COMMAND = "python -P -m k3nvfp4.kernels.offline.tile_costs --write"
 Row = tuple[int, int, int, int]  # instructions per warp-iteration, registers, shared bytes, local (spill) bytes
@@ -111,7 +112,7 @@ def write(costs: dict[int, dict[str, dict[str, Row]]], version: str | None = Non
     keeping the other versions'."""
     from ...common.files import write_text_atomic
 
-    version = version or triton_version()
+    version = version or triton_release()
     tables = {**tile_cost_table.COSTS, version: costs}
     dates = {**tile_cost_table.GENERATED, version: _dt.date.today().isoformat()}
     path = pathlib.Path(tile_cost_table.__file__)
