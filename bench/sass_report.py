@@ -216,6 +216,7 @@ def _scale_format(checkpoint: str):
 def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=None, checkpoint: str = "nvfp4"
              ) -> list[dict]:
     from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.moe_details.call_model import our_call
     from k3nvfp4.kernels.moe_details.config import get_moe_config
 
     device = pm.DEVICES[device_name]
@@ -237,7 +238,7 @@ def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=
                 row["error"] = "; ".join(m["error"] for m in measured.values() if "error" in m)
                 rows.append(row)
                 continue
-            pred = pm.our_call(device, shard, M, cfg, {k: m["loop_cost"] for k, m in measured.items()}, fmt=fmt)
+            pred = our_call(device, shard, M, cfg, {k: m["loop_cost"] for k, m in measured.items()}, fmt=fmt)
             row.update(pred.to_dict())
             budget = pm.loop_budget(M)
             for k, kern in zip(("gemm1", "gemm2"), row["kernels"]):

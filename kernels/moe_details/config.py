@@ -250,7 +250,8 @@ def heuristic_moe_config(
     - atomic_reduce (fp32 atomics into [M, H], one memset more) only when the deterministic
       path's fp32 [split_k2, M*k, H] buffer would exceed 512 MiB (large prefill batches).
     """
-    from ..perf_model import B200, H200, Shard, expected_routing, loop_budget, our_gemm
+    from ..perf_model import B200, H200, Shard, expected_routing, loop_budget
+    from .call_model import our_gemm
     from .layout import E5M3_16
     from .tile_costs import TILES, tile_cost
 

@@ -1,6 +1,6 @@
 """Launch config of the FP4 tensor-core MoE kernels and its heuristic: tile shapes fixed by the
 MMA (tcgen05's block-scaled MMA wants 128 rows on M), split-K per GEMM chosen by the static
-performance model (k3nvfp4.kernels.perf_model.fp4_call) with the loop costs measured offline
+performance model (call_model.fp4_call) with the loop costs measured offline
 (costs.py) and the device's SM count."""
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class FP4MoEConfig:
 def _heuristic(E: int, H: int, I: int, top_k: int, M: int, act_quant: str, num_global_experts: int | None,
                device_name: str) -> FP4MoEConfig:
     from .. import perf_model as pm
+    from .call_model import fp4_call
     from .costs import fp4_loop_costs
 
     device = pm.DEVICES.get(device_name, pm.B200)
@@ -107,7 +108,7 @@ def _heuristic(E: int, H: int, I: int, top_k: int, M: int, act_quant: str, num_g
             continue
 
         def time(cfg: FP4MoEConfig) -> float:
-            return pm.fp4_call(device, shard, M, cfg, costs, act_quant).time_s
+            return fp4_call(device, shard, M, cfg, costs, act_quant).time_s
 
         cand_best, cand_t = base, time(base)
         for kind, K, bk in (("split_k1", H, base.block_k1), ("split_k2", I, base.block_k2)):

@@ -1,6 +1,6 @@
 """Static costs of the FP4 GEMM tiles FP4MoEConfig.candidates picks, on sm100 (B200): the hot K
 loop's instructions per warp and iteration, registers, shared memory and spill bytes. The
-heuristic feeds them to the static performance model (perf_model.fp4_call) to choose split-K,
+heuristic feeds them to the static performance model (call_model.fp4_call) to choose split-K,
 without compiling at run time.
 
 The numbers are data, generated offline into cost_table.py (its docstring names the command,
