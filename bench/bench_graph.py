@@ -153,10 +153,10 @@ def run_point(torch, name, shape, M, weights, args, cpu, flush, mode: str = "w4a
         def reference():
             return fused_moe_nvfp4_reference(x, weights, tw, ids)
     else:
-        from k3nvfp4.kernels.moe_fp4 import _device_name
+        from k3nvfp4.kernels.target import model_device_name
 
         cfg = FP4MoEConfig.heuristic(shape.E, shape.H, shape.I, shape.top_k, M, act_quant=mode,
-                                     device_name=_device_name(device))
+                                     device_name=model_device_name(device))
         point = {"mode": mode, "shape": name, "M": M, "config": cfg.__dict__.copy(), "config_label": cfg.label()}
 
         def moe(tw, ids, out=None, deterministic=False):
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from k3nvfp4.kernels.moe_details.config import current_device_name
+    from k3nvfp4.kernels.target import current_device_name
     from k3nvfp4.kernels.tune import TuneShape, problem_weights
 
     if not cpu and not torch.cuda.is_available():

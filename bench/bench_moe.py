@@ -512,7 +512,8 @@ def main(argv=None) -> int:
     import triton
 
     from k3nvfp4.kernels import fused_moe_nvfp4, fused_moe_nvfp4_reference
-    from k3nvfp4.kernels.moe_details.config import current_device_name, get_moe_config
+    from k3nvfp4.kernels.moe_details.config import get_moe_config
+    from k3nvfp4.kernels.target import capability, current_device_name
     from k3nvfp4.kernels.tune import Timer, TuneShape, normwise_error, problem_routing
 
     if not cpu and not torch.cuda.is_available():
@@ -619,7 +620,7 @@ def main(argv=None) -> int:
               + (f", bf16 baseline err {berr:.2e} [{baseline_impl}]" if baseline_impl else ""), flush=True)  # fmt: skip
         # The Blackwell FP4 tensor-core modes, timed only where they run natively (bench/README.md).
         fp4_weights = None
-        if not cpu and torch.cuda.get_device_capability(device)[0] == 10:
+        if not cpu and capability(device)[0] == 10:
             fp4_weights = fp4_mode_arms(torch, shape, device, args.seed)
         marlin, marlin_skip = None, result["other_implementations"]["sglang_marlin_nvfp4"]
         if marlin_lib is not None:

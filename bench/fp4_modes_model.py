@@ -4,7 +4,7 @@ with the static intermediate scale, W4A8 mxfp8) and W4A16 on sm_100, K3 TP8 (I =
 FP4 modes as they were before issue 18.
 
 Each FP4 row: the config FP4MoEConfig.heuristic picks for B200, both GEMMs compiled for sm_100
-and measured (compile_fp4.measure_fp4_gemm: loop, registers, shared memory, spills), put through
+and measured (offline.compile.measure_fp4_gemm: loop, registers, shared memory, spills), put through
 perf_model.fp4_call: launchable, CTAs per SM, waves, bytes per useful weight, bytes in flight per
 SM against what HBM needs, launches, predicted time per call.
 
@@ -26,7 +26,7 @@ MODES = ("nvfp4", "mxfp8")
 FLASHINFER_B200_TP8_US = {1: 31.9, 8: 91.9, 64: 372.0, 128: 386.0}
 
 # Loop costs at commit 1caa373 (instructions per warp-iteration, registers, shared bytes, spill
-# bytes), measured with compile_fp4.compile_fp4_gemm + k3nvfp4.kernels.offline.sass on that commit's
+# bytes), measured with offline.compile.compile_fp4_gemm + k3nvfp4.kernels.offline.sass on that commit's
 # kernels: key (kind, mode, I, decode). Decode = block_m 16 swap-AB, else block_m 128.
 BEFORE_COMMIT = "1caa373"
 BEFORE_COSTS = {
@@ -43,6 +43,7 @@ BEFORE_COSTS = {
 
 def _before(pm, shard, M: int, mode: str, cfg_now) -> dict:
     """The FP4 mode of commit 1caa373 under today's model (module docstring)."""
+    from k3nvfp4.kernels.moe_fp4_details.call_model import fp4_call
     from k3nvfp4.kernels.perf_model import LoopCost
 
     old = replace(cfg_now, block_n1=128, split_k1=1, split_k2=1)
@@ -50,7 +51,7 @@ def _before(pm, shard, M: int, mode: str, cfg_now) -> dict:
     for kind in ("gemm1", "gemm2"):
         instr, regs, shared, local = BEFORE_COSTS[(kind, mode, shard.intermediate, cfg_now.swap_ab)]
         costs[kind] = LoopCost(instr, old.num_warps, regs, shared, local)
-    pred = pm.fp4_call(pm.B200, shard, M, old, costs, mode)
+    pred = fp4_call(pm.B200, shard, M, old, costs, mode)
     a = pm.DEFAULT_ASSUMPTIONS
     # + the combine kernel (fp32 [M k, H] read, [M, H] bf16 written); + the quantization's own
     # launch where the routing is one launch now (fused there; above 1024 pairs it still is apart).
@@ -76,9 +77,9 @@ def _kernel_cells(k) -> dict:
 def fp4_rows(errors: list[str]) -> list[dict]:
     """Rows of both FP4 modes on B200, TP8 / TP16, B200_M (measured loops, heuristic configs)."""
     from k3nvfp4.kernels import perf_model as pm
-    from k3nvfp4.kernels.offline.compile_fp4 import measure_fp4_gemm
+    from k3nvfp4.kernels.moe_fp4_details.call_model import fp4_call
+    from k3nvfp4.kernels.offline.compile import measure_fp4_gemm
     from k3nvfp4.kernels.moe_fp4_details.config import FP4MoEConfig
-    from k3nvfp4.kernels.moe_fp4_details.costs import tile_key
 
     cache: dict = {}
     rows = []
@@ -93,7 +94,7 @@ def fp4_rows(errors: list[str]) -> list[dict]:
                        "config": cfg.label()}
                 costs = {}
                 for kind in ("gemm1", "gemm2"):
-                    key = tile_key(kind, mode, cfg)
+                    key = f"{FP4MoEConfig.cost_mode(mode)} {cfg.tile(kind).label()}"
                     if key not in cache:
                         try:
                             cache[key] = measure_fp4_gemm(kind, mode, cfg, shard.hidden, shard.intermediate,
@@ -108,7 +109,7 @@ def fp4_rows(errors: list[str]) -> list[dict]:
                 if "error" in row:
                     rows.append(row)
                     continue
-                pred = pm.fp4_call(pm.B200, shard, M, cfg, costs, mode)
+                pred = fp4_call(pm.B200, shard, M, cfg, costs, mode)
                 pub = FLASHINFER_B200_TP8_US.get(M) if sname == "tp8" else None
                 row.update({
                     "launchable": pred.launchable, "launches": pred.launches, "time_us": round(pred.time_s * 1e6, 2),

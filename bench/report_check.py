@@ -4,8 +4,8 @@ They hold the project's performance claims to what was measured. They are not co
 and they break on any compiler update by design, so they run here and not in `make test`:
 
 - **stale tables**: every shipped W4A16 GEMM compiled today against its row of
-  `kernels/moe_details/tile_cost_table.py` (the heuristic's input), and the FP4 table
-  `kernels/moe_fp4_details/cost_table.py` re-measured in full against its committed rows;
+  `kernels/cost_table.py` (the heuristic's input), and the table's FP4 sections re-measured in
+  full against their committed rows;
 - **moved rows**: every prediction of this run (our rows, both FP4 modes' MMA rows, the B200 rows,
   the peers' rows where built) against the committed report (bench/results/perf-model.json),
   row by row, naming the row and the fields that moved;
@@ -35,12 +35,13 @@ KERNEL_FIELDS = ("config", "launchable", "registers", "shared_bytes", "local_byt
 
 
 def stale_tile_rows(rows: list[dict]) -> list[str]:
-    """Shipped W4A16 GEMMs whose compile today disagrees with their tile_cost_table entry:
+    """Shipped W4A16 GEMMs whose compile today disagrees with their cost_table entry:
     shared memory within 1 KiB, at least the CTAs per SM the model assumed, the loop within 5 %
     (GEMM1 also not 5 % shorter; GEMM2's entry is the worse of its two top-k reductions)."""
     from k3nvfp4.kernels import perf_model as pm
     from k3nvfp4.kernels.moe_details.layout import E5M3_16, E8M0_32
-    from k3nvfp4.kernels.moe_details.tile_costs import Tile, tile_cost
+    from k3nvfp4.kernels.costs import Tile, tile_cost
+    from k3nvfp4.kernels.moe_details.config import MoEConfig
 
     formats = {"nvfp4": E5M3_16, "mxfp4": E8M0_32}
     out = []
@@ -55,7 +56,7 @@ def stale_tile_rows(rows: list[dict]) -> list[str]:
             tile = Tile(kind, c["block_m"], c["swap_ab"], c[f"block_n{n}"], c[f"block_k{n}"], c[f"num_warps{n}"],
                         c[f"num_stages{n}"])
             where = f"{r['device']} {r['checkpoint']} {r['shard']} M={r['M']} {tile.label()} sk{c[f'split_k{n}']}"
-            cost = tile_cost(tile, arch, fmt=formats[r["checkpoint"]])
+            cost = tile_cost(tile, arch, MoEConfig.cost_mode(formats[r["checkpoint"]]))
             if cost is None:
                 out.append(f"{where}: not in the table for sm_{arch}")
                 continue
@@ -71,24 +72,30 @@ def stale_tile_rows(rows: list[dict]) -> list[str]:
 
 
 def stale_fp4_table() -> list[str]:
-    """The FP4 table re-measured in full (a subprocess without TRITON_INTERPRET), row by row."""
-    import triton
+    """The FP4 sections of the cost table re-measured in full (a subprocess without
+    TRITON_INTERPRET), row by row."""
+    from k3nvfp4.kernels import cost_table
+    from k3nvfp4.kernels.moe_fp4_details.config import COST_ARCH, FP4MoEConfig
+    from k3nvfp4.kernels.target import triton_release
 
-    from k3nvfp4.kernels.moe_fp4_details import cost_table
-
-    if not triton.__version__.startswith(cost_table.TRITON):
-        return [f"FP4 cost table: measured with Triton {cost_table.TRITON}, installed {triton.__version__}: "
-                f"regenerate it ({cost_table.COMMAND})"]
+    version = triton_release()
+    table = {f"{mode} {label}": row for (v, arch, mode), rows in cost_table.COSTS.items()
+             if v == version and arch == COST_ARCH and mode in map(FP4MoEConfig.cost_mode, ("nvfp4", "mxfp8"))
+             for label, row in rows.items()}
+    if not table:
+        return [f"FP4 cost table: not measured with the installed Triton {version}: "
+                f"regenerate it ({cost_table.COMMAND} --family fp4)"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from k3nvfp4.kernels.offline import fp4_costs; "
-            "print(json.dumps({k: list(v) for k, v in fp4_costs.measure(progress=False).items()}))")
+    code = ("import json; from k3nvfp4.kernels.offline import costs; "
+            "print(json.dumps({f'{k[2]} {label}': list(v) for k, rows in costs.measure_family('fp4', progress=False).items() "
+            "for label, v in rows.items()}))")
     proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         return [f"FP4 cost table: the measurement failed: {proc.stderr[-2000:]}"]
     measured = {k: tuple(v) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
-    out = [f"FP4 cost table {k}: table {cost_table.COSTS.get(k)} measured {v}"
-           for k, v in sorted(measured.items()) if cost_table.COSTS.get(k) != v]
-    out += [f"FP4 cost table {k}: in the table, no longer measured" for k in sorted(set(cost_table.COSTS) - set(measured))]
+    out = [f"FP4 cost table {k}: table {table.get(k)} measured {v}"
+           for k, v in sorted(measured.items()) if table.get(k) != v]
+    out += [f"FP4 cost table {k}: in the table, no longer measured" for k in sorted(set(table) - set(measured))]
     return out
 
 

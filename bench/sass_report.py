@@ -128,7 +128,8 @@ def _git(*args: str) -> str | None:
 
 
 def baseline_heuristic(rev: str):
-    """heuristic_moe_config of the config module at a git revision (for before/after tables)."""
+    """The W4A16 heuristic of the config module at a git revision (for before/after tables):
+    MoEConfig.heuristic, or heuristic_moe_config before it was a classmethod."""
     text = _git("show", f"{rev}:kernels/moe_details/config.py")
     if text is None:
         raise SystemExit(f"--baseline: cannot read kernels/moe_details/config.py at {rev!r}")
@@ -139,12 +140,12 @@ def baseline_heuristic(rev: str):
     mod.__file__ = str(REPO / "kernels" / "moe_details" / f"_baseline_{rev}.py")
     sys.modules[name] = mod
     exec(compile(text, f"{rev}:kernels/moe_details/config.py", "exec"), mod.__dict__)
-    return mod.heuristic_moe_config
+    return getattr(mod, "heuristic_moe_config", None) or mod.MoEConfig.heuristic
 
 
 def _measure_job(job: tuple) -> dict:
     """One offline compile and measurement (a worker process's task; Statics.prefetch)."""
-    from k3nvfp4.kernels.offline.compile_check import measure_gemm
+    from k3nvfp4.kernels.offline.compile import measure_gemm
 
     kind, cfg, H, I, top_k, arch, kernel_id = job
     try:
@@ -216,6 +217,7 @@ def _scale_format(checkpoint: str):
 def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=None, checkpoint: str = "nvfp4"
              ) -> list[dict]:
     from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.moe_details.call_model import our_call
     from k3nvfp4.kernels.moe_details.config import get_moe_config
 
     device = pm.DEVICES[device_name]
@@ -237,7 +239,7 @@ def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=
                 row["error"] = "; ".join(m["error"] for m in measured.values() if "error" in m)
                 rows.append(row)
                 continue
-            pred = pm.our_call(device, shard, M, cfg, {k: m["loop_cost"] for k, m in measured.items()}, fmt=fmt)
+            pred = our_call(device, shard, M, cfg, {k: m["loop_cost"] for k, m in measured.items()}, fmt=fmt)
             row.update(pred.to_dict())
             budget = pm.loop_budget(M)
             for k, kern in zip(("gemm1", "gemm2"), row["kernels"]):
@@ -304,9 +306,9 @@ def flashinfer_section(m_list) -> dict:
 def fp4_mode_rows(arch: int) -> list[dict]:
     """The FP4 tensor-core modes' GEMMs (act_quant nvfp4 / mxfp8) on Blackwell: tcgen05 MMA kind,
     block scaling, no decomposition (no wgmma / mma.sync), registers and spill bytes."""
-    from k3nvfp4.kernels.offline.compile_fp4 import compile_all
+    from k3nvfp4.kernels.offline.compile import compile_all_fp4
 
-    rows = compile_all(arch)
+    rows = compile_all_fp4(arch)
     for r in rows:
         if "error" not in r:
             want = "kind::mxf4nvf4" if "nvfp4" in r["kernel"] else "kind::mxf8f6f4"
@@ -381,7 +383,7 @@ def markdown(result: dict) -> str:
         lines += ["", *b200.markdown(result["b200"]["fp4"], result["b200"]["w4a16"])]
     if result.get("fp4_modes"):
         lines += ["", "FP4 tensor-core modes (`fused_moe_nvfp4(act_quant=...)`), sm_100, K3 TP16 shapes: the MMA "
-                  "each GEMM compiles to (`k3nvfp4.kernels.offline.compile_fp4`):", "",
+                  "each GEMM compiles to (`k3nvfp4.kernels.offline.compile`):", "",
                   "| kernel | tcgen05.mma | kind | block scale | wgmma / mma.sync | regs | spill B | native |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in result["fp4_modes"]:

@@ -37,7 +37,7 @@ if sys.argv[1] == "exp_only":
     from k3nvfp4.kernels.moe_details import activation
     activation._tanh = exp_only_tanh._tanh  # gated_act resolves _tanh when it is compiled
 from k3nvfp4.kernels.moe_details.config import MoEConfig
-from k3nvfp4.kernels.offline import compile_check as cc, sass
+from k3nvfp4.kernels.offline import compile as cc, sass
 CONFIGS = {"decode bm16 swap bn32 bk256 w2": MoEConfig(block_m=16, swap_ab=True, block_n1=32, block_k1=256, num_warps1=2),
            "prefill bm128 noswap bn64 bk128 w8": MoEConfig(block_m=128, swap_ab=False, block_n1=64, block_k1=128,
                                                            num_warps1=8, num_stages1=3)}

@@ -46,6 +46,7 @@ from .moe_fp4_details.config import FP4MoEConfig
 from .moe_fp4_details.validate import (ACT_QUANT_MODES, input_scale_value, intermediate_is_static,
                                        intermediate_static_scale, validate_fp4_inputs)
 from .moe_fp4_details.weights import E8M0RecoveryError, FP4MMAWeights
+from .target import capability, model_device_name, triton_version
 
 __all__ = ["ACT_QUANT_MODES", "E8M0RecoveryError", "FP4MMAWeights", "FP4MoEConfig", "check_fp4_mode_supported",
            "fused_moe_fp4", "intermediate_static_scale", "prepared_fp4_weights"]
@@ -62,7 +63,7 @@ def check_fp4_mode_supported(act_quant: str, device: torch.device) -> bool:
     only in the interpreter for "nvfp4", module docstring)."""
     if act_quant not in ACT_QUANT_MODES:
         raise ValueError(f"act_quant: expected one of {ACT_QUANT_MODES}, got {act_quant!r}")
-    version = _triton_version()
+    version = triton_version()
     if device.type != "cuda":
         if not interpret_requested() or type(_k.fp4_gemm1_kernel).__name__ != "InterpretedFunction":
             raise RuntimeError(
@@ -73,7 +74,7 @@ def check_fp4_mode_supported(act_quant: str, device: torch.device) -> bool:
             raise RuntimeError(f"fused_moe_fp4: act_quant={act_quant!r} needs Triton >= 3.8 in the interpreter "
                                f"(tl.dot_scaled), installed {triton.__version__}")
         return act_quant == "nvfp4"
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = capability(device)
     if major < 8:
         raise RuntimeError(f"fused_moe_fp4: act_quant={act_quant!r} needs sm80 or newer, got sm{major}x")
     if major != 10 and act_quant == "nvfp4" and version < _NVFP4_DECOMPOSED_MIN_TRITON:
@@ -141,7 +142,7 @@ def fused_moe_fp4(
     inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else 1.0
     in_s = input_scale_value(input_scale, act_quant)
     cfg = config or FP4MoEConfig.heuristic(E, H, I, k, M, act_quant=act_quant, num_global_experts=num_global_experts,
-                                           device_name=_device_name(device))
+                                           device_name=model_device_name(device))
     cfg.check(H, I)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     tiles1, tiles2 = triton.cdiv(I, cfg.block_n1), triton.cdiv(H, cfg.block_n2)
@@ -203,13 +204,6 @@ def fused_moe_fp4(
     return out
 
 
-def _device_name(device: torch.device) -> str:
-    """perf_model.DEVICES key whose SM count the heuristic plans for (B200 off-GPU: the target)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
-        return "H200"
-    return "B200"
-
-
 _PREPARED: dict[int, tuple[weakref.ref, bool, FP4MMAWeights]] = {}
 
 
@@ -223,11 +217,6 @@ def prepared_fp4_weights(weights: NVFP4MoEWeights, *, mxfp8: bool) -> FP4MMAWeig
     key = id(weights)
     _PREPARED[key] = (weakref.ref(weights, lambda _r, key=key: _PREPARED.pop(key, None)), mxfp8, prepared)
     return prepared
-
-
-def _triton_version() -> tuple[int, int]:
-    parts = triton.__version__.split(".")
-    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
 
 
 def _row_block(K: int) -> int:

@@ -1,11 +1,14 @@
-"""Static performance model of one MoE call: launchability, occupancy, grid, bytes, instructions and
-a predicted time, without a GPU.
+"""The generic static device model: launchability, occupancy, waves, bytes, instructions and a
+predicted time of a weight-streaming kernel, without a GPU. Each kernel family's call model
+(moe_details/call_model.py for W4A16, moe_fp4_details/call_model.py for the FP4 tensor-core
+modes) maps its launches onto :func:`predict_kernel`; this module imports nothing of the project
+(tests/test_imports.py), so the families' heuristics can read it without a loop.
 
 A weight-streaming kernel needs per weight at least max(bytes / HBM bandwidth, warp-instructions /
 issue rate); at decode it also pays for a grid too small to keep enough bytes in flight, for waves,
 for dependent round trips in its epilogue and for launches. This module puts those terms in one
 place, for this project's kernels and for its peers (SGLang's marlin MoE, FlashInfer's SM90 W4A16
-MoE: ``bench/sass_report.py`` maps them onto :func:`predict_kernel`).
+MoE: ``bench/peers/`` maps them onto :func:`predict_kernel`).
 
 Inputs are static: a kernel's hot-loop instruction count, registers and shared memory (from an
 offline compile, ``k3nvfp4.kernels.offline.sass``), the launch config, the shard and M. Routing is assumed
@@ -24,8 +27,7 @@ Definitions:
   passes (the loop's efficiency; at M = 1 passes and useful weights coincide).
 
 Every assumption is a field of :class:`Assumptions`; devices are :class:`Device` records with their
-sources. The generic part (devices, occupancy, routing, :func:`predict_kernel`) imports nothing;
-:func:`our_gemm` / :func:`our_call` read the layout's and the routing's constants.
+sources.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ import math
 from dataclasses import dataclass, field
 
 __all__ = [
-    "Assumptions", "B200", "CallPrediction", "DEVICES", "Device", "H200", "K3_SHARDS", "KernelPrediction",
-    "LoopCost", "RoutingEstimate", "Shard", "expected_routing", "fp4_call", "fp4_gemm", "loop_budget", "occupancy",
-    "our_call", "our_gemm", "predict_kernel",
+    "Assumptions", "B200", "CallPrediction", "DEFAULT_ASSUMPTIONS", "DEVICES", "Device", "H200", "K3_SHARDS",
+    "KernelPrediction", "LoopCost", "RoutingEstimate", "Shard", "expected_routing", "loop_budget", "occupancy",
+    "predict_kernel",
 ]
 
 
@@ -404,164 +406,3 @@ class CallPrediction:
             "routing": None if self.routing is None else dict(self.routing.__dict__),
             "kernels": [k.to_dict() for k in self.kernels], "notes": self.notes,
         }
-
-
-# ---------------------------------------------------------------------------------------------- this project
-
-
-def layout_bytes_per_weight(fmt=None) -> float:
-    """HBM bytes per FP4 weight of the kernel-native layout (nibbles + one byte per block scale)
-    for a layout.ScaleFormat (None: E5M3_16, NVFP4): 0.5625, or 0.53125 for E8M0_32 (MXFP4)."""
-    from .moe_details.layout import E5M3_16
-
-    return (fmt or E5M3_16).bytes_per_weight
-
-
-def _padded_k(k: int) -> int:
-    from .moe_details.layout import TILE_K
-
-    return -(-k // TILE_K) * TILE_K
-
-
-def _skeleton_traffic(gemm1: bool, split: int, atomic: bool, shard: Shard, M: int, routing: RoutingEstimate,
-                      rows_used: float) -> tuple[float, int]:
-    """(bytes, dependent L2 round trips) of the MoE skeleton's epilogues (moe_details/skeleton.py),
-    the same for both kernel families: GEMM1's split-K partials over its rows_used (padded) rows,
-    GEMM2's top-k sum."""
-    H, I = shard.hidden, shard.intermediate
-    if gemm1:
-        if split == 1:
-            return 0.0, 0
-        return 2 * split * rows_used * 2 * I * 4, 2  # fp32 partials, stored and read back
-    if atomic:
-        return 2 * M * H * 4 + routing.local_pairs * H * 4, 2  # memset, atomics, final read
-    return 2 * split * routing.local_pairs * H * 4, 2  # fp32 rows, stored and summed; counter, then rows
-
-
-def _routing_launches(shard: Shard, M: int, assumptions: Assumptions) -> tuple[int, float]:
-    """(launches, seconds) of the routing alignment: one program up to routing_kernels'
-    SMALL_MAX_PAIRS pairs, else 3 kernels + a memset."""
-    from .moe_details.routing_kernels import small_routing
-
-    if small_routing(M * shard.top_k, shard.local_experts):
-        return 1, assumptions.routing_small_s
-    return 4, assumptions.routing_large_s
-
-
-def our_gemm(device: Device, shard: Shard, M: int, launch, cost: LoopCost, routing: RoutingEstimate,
-             assumptions: Assumptions = DEFAULT_ASSUMPTIONS, fmt=None) -> KernelPrediction:
-    """GEMM1 or GEMM2 of fused_moe_nvfp4 under the model. launch: a GemmLaunch (MoEConfig.gemm);
-    fmt: the weights' layout.ScaleFormat (None: E5M3_16)."""
-    from .moe_details.routing import max_padded_blocks
-
-    H, I, k = shard.hidden, shard.intermediate, shard.top_k
-    bpw = layout_bytes_per_weight(fmt)
-    gemm1 = launch.kind == "gemm1"
-    K = H if gemm1 else I
-    rows_tile = 2 * launch.block_n if gemm1 else launch.block_n
-    n_tiles = -(-(I if gemm1 else H) // launch.block_n)
-    useful_rows = 2 * I if gemm1 else H
-    k_steps = -(-K // launch.block_k)
-    iters = -(-k_steps // launch.split_k)
-    blocks = routing.blocks
-    active = blocks * n_tiles * launch.split_k
-    launched = max_padded_blocks(M * k, shard.local_experts, launch.block_m) * n_tiles * launch.split_k
-    useful = routing.active_experts * useful_rows * K
-    passes = blocks * useful_rows * K
-    weight_bytes = routing.active_experts * useful_rows * _padded_k(K) * bpw
-    rows_used = blocks * launch.block_m
-    # x in and the intermediate out (GEMM1), the intermediate in and the output out (GEMM2): bf16
-    other, trips = _skeleton_traffic(gemm1, launch.split_k, launch.atomic_reduce, shard, M, routing, rows_used)
-    other += (min(M, routing.local_pairs) * H + rows_used * I) * 2 if gemm1 else (rows_used * I + M * H) * 2
-    tokens_mma = launch.block_m if launch.swap_ab else max(launch.block_m, 64)
-    iterations_total = blocks * n_tiles * k_steps
-    processed = iterations_total * rows_tile * launch.block_k
-    return predict_kernel(
-        device, name=f"k3nvfp4 {launch.kind}", config=launch.label(), cost=cost, programs_launched=launched,
-        programs_active=active, iterations_per_program=iters, iterations_total=iterations_total,
-        weights_per_iteration=rows_tile * launch.block_k, useful_weights=useful, useful_passes=passes,
-        weight_bytes=weight_bytes, other_bytes=other,
-        stage_bytes=rows_tile * launch.block_k * bpw, stages=launch.num_stages,
-        mma_flops=2.0 * processed * tokens_mma, dependent_round_trips=trips, assumptions=assumptions,
-    )
-
-
-def our_call(device: Device, shard: Shard, M: int, config, costs: dict, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-             fmt=None) -> CallPrediction:
-    """fused_moe_nvfp4 at one MoEConfig: routing + GEMM1 + GEMM2. costs: {"gemm1": LoopCost, "gemm2": LoopCost};
-    fmt: the weights' layout.ScaleFormat (None: E5M3_16)."""
-    routing = expected_routing(shard, M, config.block_m)
-    kernels = [our_gemm(device, shard, M, config.gemm(kind), costs[kind], routing, assumptions, fmt)
-               for kind in ("gemm1", "gemm2")]
-    routing_launches, routing_s = _routing_launches(shard, M, assumptions)
-    launches = routing_launches + (1 if config.atomic_reduce else 0)
-    fixed = routing_s + launches * assumptions.launch_s
-    name = "k3nvfp4" if fmt is None or fmt.block == 16 else "k3nvfp4 mxfp4"
-    return CallPrediction(name, device.name, shard.name, M, kernels, routing, fixed, launches)
-
-
-# ---------------------------------------------------------------------------------------------- FP4 modes
-
-# HBM bytes per weight of FP4MMAWeights: nibbles + E4M3 per 16 (nvfp4) or E8M0 per 32 (mxfp8).
-FP4_MODE_BYTES_PER_WEIGHT = {"nvfp4": 0.5 + 1 / 16, "mxfp8": 0.5 + 1 / 32}
-# Bytes per activation / intermediate element as the FP4 modes store them (values + block scales).
-FP4_MODE_ACT_BYTES = {"nvfp4": 0.5 + 1 / 16, "mxfp8": 1 + 1 / 32}
-# Block-scaled MMA rate relative to the dense bf16 peak (B200 datasheet: FP4 4x, FP8 2x).
-FP4_MODE_MMA_SPEEDUP = {"nvfp4": 4.0, "mxfp8": 2.0}
-
-
-def fp4_gemm(device: Device, shard: Shard, M: int, config, kind: str, cost: LoopCost, routing: RoutingEstimate,
-             act_quant: str, assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> KernelPrediction:
-    """GEMM1 or GEMM2 of fused_moe_fp4 (act_quant "nvfp4" / "mxfp8") at one FP4MoEConfig."""
-    from .moe_details.routing import max_padded_blocks
-
-    H, I, k = shard.hidden, shard.intermediate, shard.top_k
-    bpw, abytes = FP4_MODE_BYTES_PER_WEIGHT[act_quant], FP4_MODE_ACT_BYTES[act_quant]
-    gemm1 = kind == "gemm1"
-    K = H if gemm1 else I
-    block_n, block_k, split = ((config.block_n1, config.block_k1, config.split_k1) if gemm1
-                               else (config.block_n2, config.block_k2, config.split_k2))
-    rows_tile = 2 * block_n if gemm1 else block_n  # GEMM1: gate and up rows stacked in one operand
-    n_tiles = -(-(I if gemm1 else H) // block_n)
-    useful_rows = 2 * I if gemm1 else H
-    k_steps = -(-K // block_k)
-    iters = -(-k_steps // split)
-    blocks = routing.blocks
-    rows_used = blocks * config.block_m
-    # quantized x in and the quantized intermediate out (GEMM1), the intermediate in and the bf16
-    # output out (GEMM2)
-    other, trips = _skeleton_traffic(gemm1, split, config.atomic_reduce, shard, M, routing, rows_used)
-    if gemm1:
-        other += min(M, routing.local_pairs) * H * abytes + rows_used * I * abytes
-    else:
-        other += rows_used * I * abytes + M * H * 2
-    iterations_total = blocks * n_tiles * k_steps
-    processed = iterations_total * rows_tile * block_k
-    return predict_kernel(
-        device, name=f"k3nvfp4 {act_quant} {kind}", config=config.label(), cost=cost,
-        programs_launched=max_padded_blocks(M * k, shard.local_experts, config.block_m) * n_tiles * split,
-        programs_active=blocks * n_tiles * split, iterations_per_program=iters, iterations_total=iterations_total,
-        weights_per_iteration=rows_tile * block_k, useful_weights=routing.active_experts * useful_rows * K,
-        useful_passes=blocks * useful_rows * K, weight_bytes=routing.active_experts * useful_rows * K * bpw,
-        other_bytes=other, stage_bytes=rows_tile * block_k * bpw, stages=config.num_stages,
-        mma_flops=2.0 * processed * config.block_m / FP4_MODE_MMA_SPEEDUP[act_quant],
-        dependent_round_trips=trips, assumptions=assumptions,
-    )
-
-
-def fp4_call(device: Device, shard: Shard, M: int, config, costs: dict, act_quant: str,
-             assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> CallPrediction:
-    """fused_moe_fp4 at one FP4MoEConfig (static NVFP4 intermediate scale, or MXFP8): routing +
-    activation quantization (one launch up to 1024 pairs), GEMM1, GEMM2 with the top-k sum.
-    costs: {"gemm1": LoopCost, "gemm2": LoopCost} (moe_fp4_details.costs)."""
-    routing = expected_routing(shard, M, config.block_m)
-    kernels = [fp4_gemm(device, shard, M, config, kind, costs[kind], routing, act_quant, assumptions)
-               for kind in ("gemm1", "gemm2")]
-    routing_launches, routing_s = _routing_launches(shard, M, assumptions)
-    # The quantization shares the one-program routing's launch; next to the 3-kernel one it is its own.
-    launches = routing_launches + (0 if routing_launches == 1 else 1)
-    launches += 1 if config.atomic_reduce else 0  # the memset of the atomic top-k sum
-    # Quantization streams x once (read 2 B, write the quantized row) at the copy bandwidth.
-    quant_s = M * shard.hidden * (2 + FP4_MODE_ACT_BYTES[act_quant]) / device.hbm_copy_bytes_per_s
-    fixed = routing_s + quant_s + launches * assumptions.launch_s
-    return CallPrediction(f"k3nvfp4 {act_quant}", device.name, shard.name, M, kernels, routing, fixed, launches)

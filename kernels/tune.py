@@ -52,11 +52,10 @@ from .moe_details.config import (
     MoEConfig,
     config_dir,
     config_file_name,
-    current_device_name,
-    heuristic_moe_config,
     user_config_dir,
 )
 from .moe_details.weights import NVFP4MoEWeights
+from .target import capability, current_device_name
 from .testing import kimi_routing, random_nvfp4_moe_weights
 
 PARTIAL_SUFFIX = ".partial.json"
@@ -240,7 +239,7 @@ def base_config(space: str, shape: TuneShape, M: int) -> MoEConfig:
             block_m=16, swap_ab=False, block_n1=16, block_k1=32, split_k1=1, num_warps1=4, num_stages1=1,
             block_n2=16, block_k2=32, split_k2=1, num_warps2=4, num_stages2=1, atomic_reduce=False,
         )  # fmt: skip
-    return heuristic_moe_config(shape.E, shape.H, shape.I, shape.top_k, M, num_global_experts=shape.global_experts)
+    return MoEConfig.heuristic(shape.E, shape.H, shape.I, shape.top_k, M, num_global_experts=shape.global_experts)
 
 
 def stages(space: str) -> list[dict[str, list]]:
@@ -429,7 +428,7 @@ def offline_launch_check(shape: "TuneShape", arch: int, device_model=None) -> Ca
     memory (register spills), which no shipped config may do. device_model: a perf_model.Device
     (None: the H200 below arch 100, the B200 from 100). Cached per GEMM launch (MoEConfig.gemm)."""
     from . import perf_model
-    from .offline.compile_check import measure_gemm
+    from .offline.compile import measure_gemm
 
     if device_model is None:
         device_model = perf_model.B200 if arch >= 100 else perf_model.H200
@@ -617,7 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timer = Timer(device, warmup, iters)
         launch_check = None
         if device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(device)
+            major, minor = capability(device)
             launch_check = offline_launch_check(shape, 10 * major + minor, device_model_of(device))
         # A bar on a terminal; in a log (or with --no-progress) a status line every interval.
         outer = progress_bar(len(todo), "batch sizes", bars=not args.no_progress, unit="M")

@@ -56,7 +56,9 @@ def where_it_runs(act_quant: str) -> str:
         return "bf16 MMA (W4A16)"
     if not torch.cuda.is_available():
         return "Triton interpreter (tl.dot_scaled decomposed)"
-    major, minor = torch.cuda.get_device_capability()
+    from k3nvfp4.kernels import target
+
+    major, minor = target.capability()
     if major == 10:
         return f"sm{major}{minor}: native tcgen05 block-scaled MMA"
     return f"sm{major}{minor}: tl.dot_scaled decomposed (correct, not the Blackwell fast path)"

@@ -83,7 +83,9 @@ class TritonSituBackend:
 def check_device_supported() -> None:
     """triton_situ needs SM80+ (bf16 tensor cores); without CUDA only the Triton interpreter."""
     if torch.cuda.is_available():
-        capability = torch.cuda.get_device_capability()
+        from ..kernels import target  # lazy: registration stays light
+
+        capability = target.capability()
         if capability < (8, 0):
             raise ValueError(
                 f"--moe-runner-backend {BACKEND_NAME} needs an SM80+ GPU "

@@ -144,9 +144,8 @@ def _mutate(name: str) -> None:
 def _configs(limit: int | None):
     """(label, thunk) of every distinct last-arrival GEMM the heuristics ship at the K3 shards."""
     from k3nvfp4.kernels import perf_model as pm
-    from k3nvfp4.kernels.offline import compile_check as cc
-    from k3nvfp4.kernels.moe_details.config import heuristic_moe_config
-    from k3nvfp4.kernels.offline import compile_fp4 as cf
+    from k3nvfp4.kernels.offline import compile as cc
+    from k3nvfp4.kernels.moe_details.config import MoEConfig
     from k3nvfp4.kernels.moe_fp4_details.config import FP4MoEConfig
 
     seen, out = set(), []
@@ -154,7 +153,7 @@ def _configs(limit: int | None):
         for shard in SHARDS:
             s = pm.K3_SHARDS[shard]
             for M in M_LIST:
-                cfg = heuristic_moe_config(s.local_experts, s.hidden, s.intermediate, s.top_k, M, arch=arch,
+                cfg = MoEConfig.heuristic(s.local_experts, s.hidden, s.intermediate, s.top_k, M, arch=arch,
                                            num_global_experts=s.global_experts)
                 for kind in ("gemm1", "gemm2"):
                     g = cfg.gemm(kind)
@@ -186,7 +185,7 @@ def _configs(limit: int | None):
                         seen.add(key)
                         out.append((f"{mode} sm100 {shard} M={M} {kind} bm{cfg.block_m} bn{bn} bk{bk} sk{sk} "
                                     f"w{cfg.num_warps}{' atomic' if kind == 'gemm2' and cfg.atomic_reduce else ''}",
-                                    lambda kind=kind, cfg=cfg, s=s, mode=mode: cf.compile_fp4_gemm(
+                                    lambda kind=kind, cfg=cfg, s=s, mode=mode: cc.compile_fp4_gemm(
                                         kind, mode, cfg, s.hidden, s.intermediate, s.top_k, arch=100)))
     return out[:limit] if limit else out
 

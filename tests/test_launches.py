@@ -22,7 +22,7 @@ import pytest
 import torch
 import triton
 
-from k3nvfp4.kernels import MoEConfig, NVFP4MoEWeights, fused_moe_nvfp4, fused_moe_nvfp4_reference, moe_fp4
+from k3nvfp4.kernels import MoEConfig, NVFP4MoEWeights, fused_moe_nvfp4, fused_moe_nvfp4_reference, moe_fp4, target
 from k3nvfp4.kernels.launches import count_launches
 from k3nvfp4.kernels.moe_details.config import get_moe_config
 from k3nvfp4.kernels.moe_details.routing_kernels import SMALL_MAX_PAIRS
@@ -127,7 +127,7 @@ def _require_fp4_mode(act_quant: str) -> None:
 
 
 def _interpreter_runs_fp4() -> bool:
-    return moe_fp4._triton_version() >= moe_fp4._INTERPRETER_MIN_TRITON
+    return target.triton_version() >= moe_fp4._INTERPRETER_MIN_TRITON
 
 
 def _uninitialised_fp4_weights(E: int, H: int, I: int) -> FP4MMAWeights:

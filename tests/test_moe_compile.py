@@ -12,7 +12,7 @@ import sys
 def test_kernels_compile_for_sm90_with_wgmma_and_pipelining():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-P", "-m", "k3nvfp4.kernels.offline.compile_check", "--arch", "90"],
+        [sys.executable, "-P", "-m", "k3nvfp4.kernels.offline.compile", "--family", "w4a16", "--arch", "90"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -31,7 +31,7 @@ def test_offline_compiles_use_the_bundled_ptxas(monkeypatch):
     not reach the compile, and is restored after it."""
     import triton
 
-    from k3nvfp4.kernels.offline import compile_check
+    from k3nvfp4.kernels.offline import compile as offline_compile
     from k3nvfp4.kernels.moe_details.config import MoEConfig
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -44,6 +44,6 @@ def test_offline_compiles_use_the_bundled_ptxas(monkeypatch):
         return "compiled"
 
     monkeypatch.setattr(triton, "compile", fake_compile)
-    assert compile_check.compile_gemm("gemm1", MoEConfig(), 256, 128, 2, arch=100) == "compiled"
+    assert offline_compile.compile_gemm("gemm1", MoEConfig(), 256, 128, 2, arch=100) == "compiled"
     assert seen == {"TRITON_PTXAS_PATH": None, "TRITON_PTXAS_BLACKWELL_PATH": None}
     assert os.environ["TRITON_PTXAS_BLACKWELL_PATH"] == os.environ["TRITON_PTXAS_PATH"] == "/opt/other/ptxas"

@@ -11,7 +11,6 @@ from k3nvfp4.kernels.moe_details.config import (
     MoEConfig,
     config_file_name,
     get_moe_config,
-    heuristic_moe_config,
     load_moe_configs,
 )
 
@@ -30,10 +29,10 @@ def test_nearest_batch_size_from_env_dir(tmp_path, monkeypatch):
     assert get_moe_config(8, 64, 32, 2, 100, "dev") == b  # 256/100 < 100/1
     assert get_moe_config(8, 64, 32, 2, 1024, "dev") == b
     # more than 4x from every tuned batch size: the heuristic, not a far-away config
-    assert get_moe_config(8, 64, 32, 2, 16, "dev") == heuristic_moe_config(8, 64, 32, 2, 16)
-    assert get_moe_config(8, 64, 32, 2, 10**6, "dev") == heuristic_moe_config(8, 64, 32, 2, 10**6)
+    assert get_moe_config(8, 64, 32, 2, 16, "dev") == MoEConfig.heuristic(8, 64, 32, 2, 16)
+    assert get_moe_config(8, 64, 32, 2, 10**6, "dev") == MoEConfig.heuristic(8, 64, 32, 2, 10**6)
     # another shape or device: heuristic
-    assert get_moe_config(8, 64, 48, 2, 1, "dev") == heuristic_moe_config(8, 64, 48, 2, 1)
+    assert get_moe_config(8, 64, 48, 2, 1, "dev") == MoEConfig.heuristic(8, 64, 48, 2, 1)
     assert load_moe_configs(8, 64, 32, "other") is None
 
 
@@ -59,15 +58,15 @@ def test_config_validation():
 
 
 def test_heuristic_rules():
-    decode = heuristic_moe_config(896, 3584, 192, 16, 1, arch=90)  # K3 TP16 at batch 1: 16 pairs
+    decode = MoEConfig.heuristic(896, 3584, 192, 16, 1, arch=90)  # K3 TP16 at batch 1: 16 pairs
     assert decode.block_m == 16 and decode.swap_ab
     assert decode.split_k1 > 1  # 16 blocks x 3 column tiles: split over H to put bytes in flight
     assert 192 % decode.block_n1 == 0  # no padding rows (I = 192)
-    prefill = heuristic_moe_config(56, 3584, 3072, 16, 16384, arch=90, num_global_experts=896)
+    prefill = MoEConfig.heuristic(56, 3584, 3072, 16, 16384, arch=90, num_global_experts=896)
     assert prefill.atomic_reduce  # fp32 [M*k, H] would be 3.8 GB
-    assert not heuristic_moe_config(896, 3584, 192, 16, 64, arch=90).atomic_reduce
+    assert not MoEConfig.heuristic(896, 3584, 192, 16, 64, arch=90).atomic_reduce
     # Small shapes get a config too (the interpreter tests run them).
-    tiny = heuristic_moe_config(4, 48, 16, 2, 64, arch=90)
+    tiny = MoEConfig.heuristic(4, 48, 16, 2, 64, arch=90)
     assert tiny.block_m in (16, 32) and tiny.swap_ab
 
 
@@ -77,19 +76,19 @@ def test_heuristic_is_expert_parallel_aware():
     bytes in flight), and at M = 256 ~4.6 (EP16) / 2.3 (EP32) pairs per local expert, not 73 /
     146 (16-token blocks, not 32)."""
     for E in (56, 28):
-        ep = heuristic_moe_config(E, 3584, 3072, 16, 1, arch=90, num_global_experts=896)
-        blind = heuristic_moe_config(E, 3584, 3072, 16, 1, arch=90)  # as if every pair were local
+        ep = MoEConfig.heuristic(E, 3584, 3072, 16, 1, arch=90, num_global_experts=896)
+        blind = MoEConfig.heuristic(E, 3584, 3072, 16, 1, arch=90)  # as if every pair were local
         assert ep.split_k1 > 1 and ep.split_k2 > 1, ep
         assert blind.split_k1 == 1 and blind.split_k2 == 1, blind
-        ep = heuristic_moe_config(E, 3584, 3072, 16, 256, arch=90, num_global_experts=896)
-        blind = heuristic_moe_config(E, 3584, 3072, 16, 256, arch=90)
+        ep = MoEConfig.heuristic(E, 3584, 3072, 16, 256, arch=90, num_global_experts=896)
+        blind = MoEConfig.heuristic(E, 3584, 3072, 16, 256, arch=90)
         assert ep.block_m == 16 and blind.block_m == 32, (ep, blind)
     # The same global routing on a full replica (E = E_global) is the TP heuristic.
-    assert heuristic_moe_config(896, 3584, 192, 16, 64, arch=90, num_global_experts=896) == \
-        heuristic_moe_config(896, 3584, 192, 16, 64, arch=90)
+    assert MoEConfig.heuristic(896, 3584, 192, 16, 64, arch=90, num_global_experts=896) == \
+        MoEConfig.heuristic(896, 3584, 192, 16, 64, arch=90)
     # get_moe_config hands it through when no tuned file exists.
     assert get_moe_config(56, 3584, 3072, 16, 1024, "no-such-device", arch=90, num_global_experts=896) == \
-        heuristic_moe_config(56, 3584, 3072, 16, 1024, arch=90, num_global_experts=896)
+        MoEConfig.heuristic(56, 3584, 3072, 16, 1024, arch=90, num_global_experts=896)
 
 
 def test_fused_moe_passes_the_global_expert_count(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 def _compile(arch: int) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-P", "-m", "k3nvfp4.kernels.offline.compile_fp4", "--arch", str(arch)],
+        [sys.executable, "-P", "-m", "k3nvfp4.kernels.offline.compile", "--family", "fp4", "--arch", str(arch)],
         capture_output=True, text=True, env=env, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -45,23 +45,27 @@ def test_sm90_decomposes_onto_wgmma(arch):
 
 
 def test_cost_table_tiles_launch_and_the_heuristic_picks_no_spill():
-    """Every tile of moe_fp4_details/cost_table.py (the heuristic's model input) launches on B200,
+    """Every FP4 tile of kernels/cost_table.py (the heuristic's model input) launches on B200,
     and what the heuristic picks at the K3 shapes never spills and fills the GPU at M = 1 (GEMM1
     split over K). That the table is what the kernels compile to today is a change detector:
     bench/sass_report.py --check re-measures it."""
     from k3nvfp4.kernels import perf_model as pm
-    from k3nvfp4.kernels.moe_fp4_details import cost_table, costs
-    from k3nvfp4.kernels.moe_fp4_details.config import FP4MoEConfig
+    from k3nvfp4.kernels import costs
+    from k3nvfp4.kernels.moe_fp4_details.config import COST_ARCH, FP4MoEConfig
 
-    for key, (_instr, regs, shared, _local) in cost_table.COSTS.items():
-        warps = int(key.split(" w")[1].split()[0])
-        assert pm.occupancy(pm.B200, regs, 32 * warps, shared)[0] >= 1, key
+    for mode in ("nvfp4", "mxfp8"):
+        rows = costs.table(COST_ARCH, FP4MoEConfig.cost_mode(mode))
+        assert len(rows) == 12, (mode, sorted(rows))
+        for key, (_instr, regs, shared, _local) in rows.items():
+            warps = int(key.split(" w")[1].split()[0])
+            assert pm.occupancy(pm.B200, regs, 32 * warps, shared)[0] >= 1, (mode, key)
     for name in ("tp8", "tp16"):
         s = pm.K3_SHARDS[name]
         for mode in ("nvfp4", "mxfp8"):
             for M in (1, 8, 64, 128, 1024, 4096):
                 cfg = FP4MoEConfig.heuristic(s.local_experts, s.hidden, s.intermediate, s.top_k, M, act_quant=mode)
-                picked = costs.fp4_loop_costs(mode, cfg)
+                picked = costs.loop_costs({k: cfg.tile(k) for k in ("gemm1", "gemm2")}, COST_ARCH,
+                                          FP4MoEConfig.cost_mode(mode))
                 assert picked is not None and all(c.local_bytes == 0 for c in picked.values()), (name, mode, M, cfg)
             one = FP4MoEConfig.heuristic(s.local_experts, s.hidden, s.intermediate, s.top_k, 1, act_quant=mode)
             tiles1 = -(-s.intermediate // one.block_n1)
@@ -74,7 +78,7 @@ def test_fused_routing_and_quantization_launch_compiles(arch):
     for Hopper and Blackwell without spilling."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import json; from k3nvfp4.kernels.offline import sass; "
-            "from k3nvfp4.kernels.offline.compile_fp4 import compile_route_quant; "
+            "from k3nvfp4.kernels.offline.compile import compile_route_quant; "
             f"cs = [compile_route_quant(m, {arch}) for m in ('nvfp4', 'mxfp8')]; "
             "print(json.dumps([sass.resource_usage(c.asm['cubin'])['route_quant_kernel'].local_bytes for c in cs]))")
     proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=900)

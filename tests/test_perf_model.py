@@ -66,20 +66,21 @@ def test_predict_kernel_hand_computed():
 def test_our_gemm_counts_padding_as_processed_not_useful():
     """K3 TP16 GEMM1 with 128-wide column tiles computes 256 gate + 256 up rows for I = 192: a
     quarter of the loop's weights are padding; 64-wide tiles have none."""
+    from k3nvfp4.kernels.moe_details.call_model import our_gemm
     from k3nvfp4.kernels.moe_details.config import MoEConfig
 
     shard = pm.K3_SHARDS["tp16"]
     routing = pm.expected_routing(shard, 1, 16)
     cost = pm.LoopCost(683, 8, 237, 106496)
-    wide = pm.our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=128, block_k1=256, num_warps1=8).gemm("gemm1"),
+    wide = our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=128, block_k1=256, num_warps1=8).gemm("gemm1"),
                        cost, routing)
-    exact = pm.our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=64, block_k1=256, num_warps1=8).gemm("gemm1"),
+    exact = our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=64, block_k1=256, num_warps1=8).gemm("gemm1"),
                         pm.LoopCost(683 / 2, 8, 237, 65536), routing)
     per_weight = 683 * 8 / (256 * 256)  # 0.0834 per processed weight
     assert wide.warp_instr_per_useful_weight == pytest.approx(per_weight * 256 / 192)
     assert exact.warp_instr_per_useful_weight == pytest.approx(per_weight)
     assert wide.useful_weights == exact.useful_weights == pytest.approx(16 * 2 * 192 * 3584)
     assert math.isclose(wide.bytes_per_useful_weight, 0.5625) and math.isclose(exact.bytes_per_useful_weight, 0.5625)
-    mx = pm.our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=64, block_k1=256, num_warps1=8).gemm("gemm1"),
+    mx = our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=64, block_k1=256, num_warps1=8).gemm("gemm1"),
                      pm.LoopCost(683 / 2, 8, 237, 65536), routing, fmt=E8M0_32)
     assert math.isclose(mx.bytes_per_useful_weight, 0.53125)  # one E8M0 byte per 32, not expanded

@@ -14,13 +14,12 @@ import torch
 
 import k3nvfp4.kernels.moe as moe
 from k3nvfp4.kernels import tune
+from k3nvfp4.kernels.target import current_device_name
 from k3nvfp4.kernels.moe_details.config import (
     CONFIG_DIR_ENV,
     MoEConfig,
     config_file_name,
-    current_device_name,
     get_moe_config,
-    heuristic_moe_config,
     load_moe_configs,
 )
 
@@ -72,7 +71,7 @@ def test_search_spaces_are_valid_and_centered_on_the_heuristic():
     shape = tune.TuneShape(896, 3584, 192, 16, 896)
     for M in (1, 64, 4096):
         base = tune.base_config("default", shape, M)
-        assert base == heuristic_moe_config(896, 3584, 192, 16, M)
+        assert base == MoEConfig.heuristic(896, 3584, 192, 16, M)
         for space in ("small", "default", "wide"):
             for stage in tune.stages(space):
                 cands = tune._expand_stage(stage, base)
@@ -291,7 +290,7 @@ def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch, capsys):
     # tuned entry differs from what the heuristic would have given.
     monkeypatch.setenv(CONFIG_DIR_ENV, str(out_dir))
     assert get_moe_config(E, H, I, k, 10, device_name=device_name) == tuned[3]
-    assert tuned[3] != heuristic_moe_config(E, H, I, k, 10)
+    assert tuned[3] != MoEConfig.heuristic(E, H, I, k, 10)
 
 
 def test_bench_moe_smoke(tmp_path):

@@ -37,7 +37,7 @@ match wins: ``$K3NVFP4_MOE_CONFIG_DIR`` when set, else the per-user directory
 configs shipped in ``kernels/configs/`` of this package (read only: the tuner never writes into the
 installed package; it writes to ``--out-dir``, else :func:`config_dir`).
 :func:`get_moe_config` takes the config of the nearest tuned batch size (in log space,
-and only within 4x of M), else :func:`heuristic_moe_config`.
+and only within 4x of M), else :meth:`MoEConfig.heuristic`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ import os
 import pathlib
 import stat
 from dataclasses import dataclass
+
+from ..costs import Tile, tile_cost
+from ..target import current_arch, current_device_name
 
 CONFIG_DIR_ENV = "K3NVFP4_MOE_CONFIG_DIR"
 DEFAULT_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -128,6 +131,20 @@ class MoEConfig:
                               self.num_warps2, self.num_stages2, self.atomic_reduce)
         raise ValueError(f"kind: expected 'gemm1' or 'gemm2', got {kind!r}")
 
+    def tile(self, kind: str) -> Tile:
+        """GEMM1's or GEMM2's tile: its row key in the cost table (a W4A16 row covers both top-k
+        reductions and every split-K, so neither is part of it)."""
+        g = self.gemm(kind)
+        return Tile(kind, g.block_m, g.swap_ab, g.block_n, g.block_k, g.num_warps, g.num_stages)
+
+    @staticmethod
+    def cost_mode(scale_format=None) -> str:
+        """The cost table's mode of W4A16 weights in a layout.ScaleFormat (None: E5M3_16, NVFP4):
+        "w4a16 e5m3/16" or "w4a16 e8m0/32" (kernels/costs.py)."""
+        from .layout import E5M3_16
+
+        return f"w4a16 {(scale_format or E5M3_16).name}"
+
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -135,6 +152,35 @@ class MoEConfig:
         if unknown:
             raise ValueError(f"MoEConfig: unknown keys {sorted(unknown)} (known: {sorted(known)})")
         return cls(**d)
+
+    @classmethod
+    def heuristic(cls, E: int, H: int, I: int, top_k: int, M: int, *, num_sms: int | None = None,
+                  arch: int | None = None, num_global_experts: int | None = None, scale_format=None) -> "MoEConfig":
+        """Default config when nothing is tuned: the fastest under the static performance model
+        (perf_model through moe_details/call_model.py) of the tile shapes in :data:`TILES`, with
+        the costs measured offline for the architecture and the weights' scale format
+        (layout.E5M3_16, the default, or E8M0_32; kernels/costs.py), split-K chosen per GEMM.
+
+        - E: local experts (the weights' leading dimension); num_global_experts: the experts the
+          top-k ids range over (None = E: no expert parallelism). Under EP only ~E / E_global of
+          the (token, slot) pairs are local, so blocks are sized for the local pairs, not
+          M x top_k / E.
+        - arch: compute capability x 10 (None: the current device's, 90 without a GPU); the
+          device model is the H200 below 100 and the B200 from 100, with num_sms overriding its
+          SM count.
+        - Tiles that cannot launch (shared memory, registers) or spill are never chosen. Split-K
+          is 1 to 16 per GEMM. block_m (shared by both GEMMs) is the one whose call is fastest;
+          within 1% of the fastest time the candidate issuing the fewest warp-instructions wins
+          (the model's time is bytes-bound at most M; fewer instructions leave issue slack for
+          what the model does not see). Candidates within the loop budget
+          (perf_model.loop_budget: warp-instructions per useful weight pass, tile padding and K
+          tails not useful) win over faster ones that miss it, up to 2% of predicted time: never
+          at the price of streaming an expert's weights twice.
+        - atomic_reduce (fp32 atomics into [M, H], one memset more) only when the deterministic
+          path's fp32 [split_k2, M*k, H] buffer would exceed 512 MiB (large prefill batches).
+
+        Cached per shape: the model runs once, not per call."""
+        return _heuristic(E, H, I, top_k, M, num_sms, arch, num_global_experts, scale_format)
 
 
 @dataclass(frozen=True)
@@ -163,25 +209,31 @@ class GemmLaunch:
                 f" sk{self.split_k} w{self.num_warps} s{self.num_stages}")
 
 
-@functools.lru_cache(maxsize=16)
-def current_device_name(device=None) -> str:
-    """CUDA device name as used in config file names (spaces -> '_', like SGLang), or 'cpu'."""
-    import torch
+def _tiles() -> tuple[Tile, ...]:
+    # (block_m, block_n, block_k, warps). Fewer than 4 warps is no warpgroup: mma.sync with the
+    # weights from registers, on sm90 and on sm100 alike (4+ warps use wgmma / tcgen05).
+    g1 = [(16, 32, 256, 2), (16, 64, 256, 4), (16, 128, 256, 8), (16, 64, 128, 4), (16, 64, 128, 2),
+          (32, 32, 256, 2), (32, 64, 256, 4), (32, 128, 256, 8), (32, 64, 128, 2),
+          (64, 64, 128, 4), (64, 128, 128, 8), (64, 32, 256, 2)]
+    # (16, 512, 64, 4): 32 words per lane at bk64 halves the per-iteration overhead of K = I = 192 or 384
+    # (TP16, TP8), whose 16-word bk64 tiles issue 0.091-0.094 per weight.
+    g2 = [(16, 256, 32, 2), (16, 256, 64, 4), (16, 512, 64, 4), (16, 256, 128, 4), (16, 256, 128, 8), (16, 256, 256, 8),
+          (16, 128, 64, 4), (16, 128, 128, 4), (16, 256, 64, 2), (16, 256, 128, 2), (16, 128, 128, 2),
+          (16, 128, 64, 2),
+          (32, 256, 32, 4), (32, 256, 64, 4), (32, 256, 128, 8), (32, 256, 256, 8), (32, 128, 64, 4),
+          (32, 128, 128, 4), (32, 128, 64, 2), (32, 64, 256, 2),
+          (64, 256, 32, 8), (64, 256, 64, 8), (64, 256, 128, 8), (64, 128, 128, 8), (64, 128, 64, 2)]
+    out = [Tile("gemm1", bm, True, bn, bk, w, 3) for bm, bn, bk, w in g1]
+    # 128 tokens: weights as the MMA's B operand (no swap); 2 stages keep 64 x 256 under 227 KiB.
+    out += [Tile("gemm1", 128, False, 64, 256, 8, 2), Tile("gemm1", 128, False, 64, 128, 8, 3)]
+    out += [Tile("gemm2", bm, True, bn, bk, w, 3) for bm, bn, bk, w in g2]
+    out += [Tile("gemm2", 128, False, 256, 128, 8, 3), Tile("gemm2", 128, False, 128, 128, 8, 3)]
+    return tuple(out)
 
-    if not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
 
-
-@functools.lru_cache(maxsize=16)
-def current_arch(device=None) -> int:
-    """CUDA compute capability x 10 of the current device (90 = H100/H200), 90 without a GPU."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 90
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
+# The heuristic's tile shapes (its config space besides split-K and the reduction); each has a
+# measured row per architecture and scale format in kernels/cost_table.py.
+TILES = _tiles()
 
 
 def config_file_name(E: int, H: int, I: int, device_name: str) -> str:
@@ -244,36 +296,15 @@ def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -
 
 
 @functools.lru_cache(maxsize=4096)
-def heuristic_moe_config(
-    E: int, H: int, I: int, top_k: int, M: int, num_sms: int | None = None, arch: int | None = None,
-    num_global_experts: int | None = None, scale_format=None,
-) -> MoEConfig:
-    """Default config when nothing is tuned: the fastest under the static performance model
-    (k3nvfp4.kernels.perf_model) of the tile shapes in tile_costs.TILES, measured offline for the
-    architecture and the weights' scale format (layout.E5M3_16, the default, or E8M0_32), with
-    split-K chosen per GEMM.
-
-    - E: local experts (the weights' leading dimension); num_global_experts: the experts the
-      top-k ids range over (None = E: no expert parallelism). Under EP only ~E / E_global of the
-      (token, slot) pairs are local, so blocks are sized for the local pairs, not M x top_k / E.
-    - arch: compute capability x 10 (None: the current device's, 90 without a GPU); the device
-      model is the H200 below 100 and the B200 from 100, with num_sms overriding its SM count.
-    - Tiles that cannot launch (shared memory, registers) or spill are never chosen. Split-K is
-      1 to 16 per GEMM. block_m (shared by both GEMMs) is the one whose call is fastest; within
-      1% of the fastest time the candidate issuing the fewest warp-instructions wins (the
-      model's time is bytes-bound at most M; fewer instructions leave issue slack for what the
-      model does not see). Candidates within the loop budget (perf_model.loop_budget:
-      warp-instructions per useful weight pass, tile padding and K tails not useful) win over
-      faster ones that miss it, up to 2% of predicted time: never at the price of streaming an
-      expert's weights twice.
-    - atomic_reduce (fp32 atomics into [M, H], one memset more) only when the deterministic
-      path's fp32 [split_k2, M*k, H] buffer would exceed 512 MiB (large prefill batches).
-    """
-    from ..perf_model import B200, H200, Shard, expected_routing, loop_budget, our_gemm
+def _heuristic(E: int, H: int, I: int, top_k: int, M: int, num_sms: int | None, arch: int | None,
+               num_global_experts: int | None, scale_format) -> MoEConfig:
+    """MoEConfig.heuristic, cached (its docstring says what it picks)."""
+    from ..perf_model import B200, H200, Shard, expected_routing, loop_budget
+    from .call_model import our_gemm
     from .layout import E5M3_16
-    from .tile_costs import TILES, tile_cost
 
     scale_format = scale_format or E5M3_16
+    mode = MoEConfig.cost_mode(scale_format)
     if arch is None:
         arch = current_arch()
     device = B200 if arch >= 100 else H200
@@ -289,7 +320,7 @@ def heuristic_moe_config(
         for t in TILES:
             if t.kind != kind or t.block_m != block_m:
                 continue
-            cost = tile_cost(t, arch, fmt=scale_format)
+            cost = tile_cost(t, arch, mode)
             if cost is None or cost.local_bytes:
                 continue
             tiles.append((t, cost))
@@ -335,7 +366,7 @@ def heuristic_moe_config(
             calls.append((g1[0] + g2[0], g1[5] and g2[5], g1[1] + g2[1], g1[3], g2[3]))
     calls = [c for c in calls if I % c[3].block_n == 0] or calls  # as options() for the tiles
     if not calls:
-        raise RuntimeError(f"heuristic_moe_config: no measured tile launches for E={E}, H={H}, I={I} on sm_{arch}")
+        raise RuntimeError(f"MoEConfig.heuristic: no measured tile launches for E={E}, H={H}, I={I} on sm_{arch}")
     within = _prefer(calls, lambda c: c[1])
     _, _, _, l1, l2 = min(within or _near(calls, _TIE), key=lambda c: c[2])
     return MoEConfig(
@@ -352,7 +383,7 @@ def get_moe_config(
     arch: int | None = None, num_global_experts: int | None = None, scale_format=None,
 ) -> MoEConfig:
     """Config for one call: the tuned config of the nearest batch size when a file exists for
-    (E, H, I, device), else :func:`heuristic_moe_config` (for ``arch``, None = this device's;
+    (E, H, I, device), else :meth:`MoEConfig.heuristic` (for ``arch``, None = this device's;
     num_global_experts: the experts top-k ids range over, None = E)."""
     if device_name is None:
         device_name = current_device_name()
@@ -363,5 +394,5 @@ def get_moe_config(
         nearest = min(tuned, key=lambda t: (abs(math.log2(max(t, 1) / m)), t))
         if max(nearest, m) <= _MAX_TUNED_DISTANCE * min(max(nearest, 1), m):
             return tuned[nearest]
-    return heuristic_moe_config(E, H, I, top_k, M, arch=arch, num_global_experts=num_global_experts,
-                                scale_format=scale_format)
+    return MoEConfig.heuristic(E, H, I, top_k, M, arch=arch, num_global_experts=num_global_experts,
+                               scale_format=scale_format)

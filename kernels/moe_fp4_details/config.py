@@ -1,17 +1,23 @@
 """Launch config of the FP4 tensor-core MoE kernels and its heuristic: tile shapes fixed by the
 MMA (tcgen05's block-scaled MMA wants 128 rows on M), split-K per GEMM chosen by the static
-performance model (k3nvfp4.kernels.perf_model.fp4_call) with the loop costs measured offline
-(costs.py) and the device's SM count."""
+performance model (call_model.fp4_call) with the loop costs measured offline on sm100
+(kernels/costs.py) and the device's SM count."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
 
+from ..costs import Tile, loop_costs
+
 # Split-K candidates; a split never leaves a slice without K steps (k_range).
 _SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 # A split must beat the unsplit time by more than this to be taken (the model's noise).
 _GAIN = 1.03
+# The FP4 tiles are measured on sm100 (the modes' target); the heuristic reads those costs everywhere.
+COST_ARCH = 100
+# The cost table's mode of each act_quant (kernels/costs.py).
+_COST_MODES = {"nvfp4": "w4a4 nvfp4", "mxfp8": "w4a8 mxfp8"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,21 @@ class FP4MoEConfig:
                 f"bk{self.block_k1}/{self.block_k2} sk{self.split_k1}/{self.split_k2} w{self.num_warps} "
                 f"s{self.num_stages}" + (" atomic" if self.atomic_reduce else ""))
 
+    def tile(self, kind: str) -> Tile:
+        """GEMM1's or GEMM2's tile: its row key in the cost table (GEMM2's atomic top-k sum is a
+        tile of its own; split-K is not part of it)."""
+        bn, bk = (self.block_n1, self.block_k1) if kind == "gemm1" else (self.block_n2, self.block_k2)
+        return Tile(kind, self.block_m, self.swap_ab, bn, bk, self.num_warps, self.num_stages,
+                    kind == "gemm2" and self.atomic_reduce)
+
+    @staticmethod
+    def cost_mode(act_quant: str) -> str:
+        """The cost table's mode of an act_quant: "w4a4 nvfp4" or "w4a8 mxfp8" (kernels/costs.py)."""
+        try:
+            return _COST_MODES[act_quant]
+        except KeyError:
+            raise ValueError(f"act_quant: expected one of {sorted(_COST_MODES)}, got {act_quant!r}") from None
+
     @staticmethod
     def tiles(E: int, H: int, I: int, top_k: int, M: int) -> "FP4MoEConfig":
         """Tile shapes without split-K: 16-token blocks with swap-AB when an expert gets few rows
@@ -69,8 +90,8 @@ class FP4MoEConfig:
             out += [replace(c, block_n1=128) for c in out]
         return tuple(out)
 
-    @staticmethod
-    def heuristic(E: int, H: int, I: int, top_k: int, M: int, *, act_quant: str = "nvfp4",
+    @classmethod
+    def heuristic(cls, E: int, H: int, I: int, top_k: int, M: int, *, act_quant: str = "nvfp4",
                   num_global_experts: int | None = None, device_name: str = "B200") -> "FP4MoEConfig":
         """tiles() with the split-K pair the static model predicts fastest on ``device_name``
         (perf_model.DEVICES; its SM count decides how far a split fills the GPU). Cached: the
@@ -96,18 +117,18 @@ class FP4MoEConfig:
 def _heuristic(E: int, H: int, I: int, top_k: int, M: int, act_quant: str, num_global_experts: int | None,
                device_name: str) -> FP4MoEConfig:
     from .. import perf_model as pm
-    from .costs import fp4_loop_costs
+    from .call_model import fp4_call
 
     device = pm.DEVICES.get(device_name, pm.B200)
     shard = pm.Shard("call", E, num_global_experts or E, H, I, top_k)
     best, t_best = FP4MoEConfig.tiles(E, H, I, top_k, M), float("inf")
     for base in FP4MoEConfig.candidates(E, H, I, top_k, M):
-        costs = fp4_loop_costs(act_quant, base)
+        costs = loop_costs({k: base.tile(k) for k in ("gemm1", "gemm2")}, COST_ARCH, FP4MoEConfig.cost_mode(act_quant))
         if costs is None or any(c.local_bytes for c in costs.values()):  # unmeasured, or spills
             continue
 
         def time(cfg: FP4MoEConfig) -> float:
-            return pm.fp4_call(device, shard, M, cfg, costs, act_quant).time_s
+            return fp4_call(device, shard, M, cfg, costs, act_quant).time_s
 
         cand_best, cand_t = base, time(base)
         for kind, K, bk in (("split_k1", H, base.block_k1), ("split_k2", I, base.block_k2)):

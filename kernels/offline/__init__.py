@@ -3,6 +3,6 @@ SASS of their hot loops, and measure the tables the heuristics read (the W4A16 t
 FP4 modes' tile costs). Used by tests, bench/ and the ``--write`` regeneration commands.
 
 Runtime code (the kernels, their heuristics, the device model, the SGLang plugin) never imports
-this package: the heuristics import the generated tables only (``moe_details/tile_cost_table.py``,
-``moe_fp4_details/cost_table.py``). tests/test_imports.py enforces both.
+this package: the heuristics import the generated table only (``kernels/cost_table.py``, through
+``kernels/costs.py``). tests/test_imports.py enforces both.
 """

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from k3nvfp4.kernels import target
+
 if TYPE_CHECKING:
     from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
@@ -109,7 +111,7 @@ def build_triton_situ_fp4(ex: NVFP4MoELayer, device: torch.device, dtype: torch.
     notes = [f"act_quant={act_quant}: " + ("W4A4, NVFP4 activations (dynamic per-token scale) and NVFP4 intermediate"
                                             if act_quant == "nvfp4" else
                                             "W4A8, MXFP8 activations and intermediate against MXFP4 weights (K3's native numerics)")]  # fmt: skip
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 10:
+    if device.type == "cuda" and target.capability(device)[0] != 10:
         notes.append("not a Blackwell GPU: tl.dot_scaled runs decomposed (correctness, not speed)")
     return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, act_quant=act_quant, **kw)), notes
 

@@ -58,6 +58,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from k3nvfp4.kernels import target
+
 if TYPE_CHECKING:
     from k3nvfp4.kernels import NVFP4MoEWeights
 
@@ -227,7 +229,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, hidden_size: in
     if device.type != "cuda" or not torch.cuda.is_available():
         return (f"no CUDA device (device {device}, torch.cuda.is_available() = {torch.cuda.is_available()}); "
                 "FlashInfer's fused MoE runs CUDA kernels")
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = target.capability(device)
     arch = major * 10 + minor
     if arch in (100, 103):
         why = sm100_layer_reason(dtype, hidden_size, intermediate_size, activation, situ_linear_beta)
@@ -406,6 +408,6 @@ class FlashInferMoE:
 def flashinfer_weights(weights: NVFP4MoEWeights, device: torch.device) -> FlashInferMXFP4 | FlashInferNVFP4:
     """The experts in the form the GPU's path takes (SM90: MXFP4; SM100/SM103: NVFP4), on ``device``.
     Raises E8M0RecoveryError (SM90, experts not exactly MXFP4) or ValueError (SM100, gate/up scale_2)."""
-    if torch.cuda.get_device_capability(device)[0] == 10:
+    if target.capability(device)[0] == 10:
         return FlashInferNVFP4.from_nvfp4(weights).to(device)
     return FlashInferMXFP4.from_nvfp4(weights).to(device)
