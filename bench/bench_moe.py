@@ -360,9 +360,10 @@ FLASHINFER_W4A4_TOL = 0.25
 def flashinfer_status(torch, shape, device) -> str | None:
     """None when FlashInfer's SiTU MoE can be tried on this shape here, else "not available: why"
     (k3nvfp4.sglang_ext.ab.flashinfer_arm.unavailable_reason: device, arch, shape, build)."""
+    from k3nvfp4.kernels.activation import K3_SITU
     from k3nvfp4.sglang_ext.ab.flashinfer_arm import unavailable_reason
 
-    why = unavailable_reason(device, torch.bfloat16, shape.H, shape.I, "situ", 25.0)
+    why = unavailable_reason(device, torch.bfloat16, shape.H, shape.I, K3_SITU)
     return None if why is None else f"not available: {why}"
 
 
@@ -372,6 +373,7 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
     same MXFP4 experts; else (None, why). Its error is recorded either way: it is what tells
     whether FlashInfer ran SiTU (FlashInfer #4597), never assumed."""
     from k3nvfp4.kernels import fused_moe_nvfp4_reference
+    from k3nvfp4.kernels.activation import K3_SITU
     from k3nvfp4.sglang_ext.ab.flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights
 
     why = flashinfer_status(torch, shape, device)
@@ -382,7 +384,7 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
         t0 = time.monotonic()
         w = mxfp4_bench_weights(torch, shape, device, seed)
         fw = flashinfer_weights(w, device)
-        fi = FlashInferMoE(fw, "situ", 4.0, 25.0)
+        fi = FlashInferMoE(fw, K3_SITU)
         w4a16 = isinstance(fw, FlashInferMXFP4)
         tol = FLASHINFER_TOL if w4a16 else FLASHINFER_W4A4_TOL
         torch.cuda.synchronize()

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from ..kernels import NVFP4MoEWeights
+from ..kernels.activation import GatedActivation
 from ..kernels.cast import MXFP4Weight, cast_expert
 from .layout import CONFIG_FILE, INDEX_FILE
 
@@ -47,14 +48,15 @@ class NVFP4MoELayer:
     # MXFP4 sources only: the same experts through the closed-form cast (what k3nvfp4-cast writes).
     cast_weights: NVFP4MoEWeights | None = None
 
+    def activation(self) -> GatedActivation:
+        """The config's activation as one value (an unset situ_beta is SGLang's 4.0); ValueError
+        for a hidden_act the kernels do not implement."""
+        return GatedActivation.parse(self.hidden_act, self.situ_beta, self.situ_linear_beta)
+
     def activation_kwargs(self) -> dict:
-        """activation / situ_beta / situ_linear_beta / routed_scaling_factor keyword arguments of
-        ``fused_moe_nvfp4`` (and its reference); an unset situ_beta keeps the kernels' 4.0."""
-        kw = dict(activation=self.hidden_act, situ_linear_beta=self.situ_linear_beta,
-                  routed_scaling_factor=self.routed_scaling_factor)
-        if self.situ_beta is not None:
-            kw["situ_beta"] = self.situ_beta
-        return kw
+        """activation / routed_scaling_factor keyword arguments of ``fused_moe_nvfp4`` (and of
+        every reference: one MoE signature)."""
+        return dict(activation=self.activation(), routed_scaling_factor=self.routed_scaling_factor)
 
 
 def _text_config(ckpt: Path) -> dict:

@@ -36,9 +36,9 @@ import dataclasses
 import torch
 import triton.language as tl
 
+from .activation import K3_SITU, GatedActivation
 from .interpreter import kernels_interpreted
 from .moe_details import kernels as _k
-from .moe_details.activation import ACT_SILU, ACT_SITU
 from .moe_details.config import MoEConfig, get_moe_config
 from .moe_details.routing import align_routing_triton, max_padded_blocks
 from .moe_details.skeleton import arrival_counters, split_k_partials, top_k_buffer
@@ -57,9 +57,7 @@ def fused_moe_nvfp4(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float | None = 25.0,
+    activation: GatedActivation = K3_SITU,
     routed_scaling_factor: float | None = None,
     out: torch.Tensor | None = None,
     config: MoEConfig | None = None,
@@ -73,8 +71,8 @@ def fused_moe_nvfp4(
     hidden_states: [M, H] bfloat16 / float16 (float32 accepted, computed with fp32 dots);
     weights: NVFP4MoEWeights (E experts, H, I); topk_weights: float32 [M, k];
     topk_ids: int32/int64 [M, k], ids outside [0, E) (-1: expert on another rank) contribute
-    nothing. activation: "situ" (beta=situ_beta, linear cap situ_linear_beta, None = no cap) or
-    "silu". The weighted sum over k is multiplied by routed_scaling_factor (None = 1), as SGLang
+    nothing. activation: a GatedActivation (SiTU with its beta and linear cap, or SiLU; default
+    Kimi-K3's situ(4, 25)). The weighted sum over k is multiplied by routed_scaling_factor (None = 1), as SGLang
     does after its moe_sum. out: optional [M, H] destination in hidden_states' dtype.
     config: launch config overriding the tuned/heuristic lookup (the tuner passes it).
     act_quant: "none" (W4A16, this module's kernels), or an FP4 tensor-core mode of
@@ -95,7 +93,7 @@ def fused_moe_nvfp4(
         from .moe_fp4 import fused_moe_fp4
 
         return fused_moe_fp4(hidden_states, weights, topk_weights, topk_ids, act_quant=act_quant,
-                             activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                             activation=activation,
                              routed_scaling_factor=routed_scaling_factor, input_scale=input_scale, out=out,
                              num_global_experts=num_global_experts, deterministic=deterministic)  # fmt: skip
     if input_scale is not None:
@@ -131,10 +129,7 @@ def fused_moe_nvfp4(
     dot_f32 = interp or dtype == torch.float32
     dot_dtype = tl.float32 if dot_f32 else _TL_DTYPE[dtype]
     precision = "ieee" if dot_f32 else None
-    act = ACT_SITU if activation == "situ" else ACT_SILU
-    has_lb = activation == "situ" and situ_linear_beta is not None
-    beta = float(situ_beta)
-    lb = float(situ_linear_beta) if has_lb else 1.0
+    beta, lb = activation.kernel_args()
     scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
 
     num_pairs = M * k
@@ -156,7 +151,7 @@ def fused_moe_nvfp4(
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         num_pairs, k, H, I,
         beta, lb,
-        ACT=act, HAS_LINEAR_BETA=has_lb,
+        ACT=activation.kernel_id, HAS_LINEAR_BETA=activation.has_linear_beta,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1, SPLIT_K=config.split_k1,
         SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
         EVEN_K=H % config.block_k1 == 0, SCALE_FMT=weights.scale_format.kernel_id,

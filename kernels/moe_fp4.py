@@ -36,19 +36,19 @@ import weakref
 import torch
 import triton
 
+from .activation import K3_SITU, GatedActivation
 from .interpreter import interpret_requested
-from .moe_details.activation import ACT_SILU, ACT_SITU
 from .moe_details.routing import SMALL_NUM_WARPS, align_routing_triton, max_padded_blocks, small_routing_launch
 from .moe_details.skeleton import arrival_counters, split_k_partials, top_k_buffer
 from .moe_details.weights import NVFP4MoEWeights
 from .moe_fp4_details import kernels as _k
 from .moe_fp4_details.config import FP4MoEConfig
 from .moe_fp4_details.validate import (ACT_QUANT_MODES, input_scale_value, intermediate_is_static,
-                                       intermediate_static_scale, validate_fp4_inputs)
+                                       validate_fp4_inputs)
 from .moe_fp4_details.weights import E8M0RecoveryError, FP4MMAWeights
 
 __all__ = ["ACT_QUANT_MODES", "E8M0RecoveryError", "FP4MMAWeights", "FP4MoEConfig", "check_fp4_mode_supported",
-           "fused_moe_fp4", "intermediate_static_scale", "prepared_fp4_weights"]
+           "fused_moe_fp4", "prepared_fp4_weights"]
 
 _MODE = {"nvfp4": _k.MODE_NVFP4, "mxfp8": _k.MODE_MXFP8}
 # First Triton release whose dot_scaled decomposition (non-Blackwell GPUs) takes E4M3 block
@@ -92,9 +92,7 @@ def fused_moe_fp4(
     topk_ids: torch.Tensor,
     *,
     act_quant: str = "nvfp4",
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float | None = 25.0,
+    activation: GatedActivation = K3_SITU,
     routed_scaling_factor: float | None = None,
     input_scale: float | torch.Tensor | None = None,
     intermediate_scale: str = "auto",
@@ -114,7 +112,7 @@ def fused_moe_fp4(
     input_scale: static fp32 NVFP4 scale of the GEMM1 activations ("nvfp4" only; e.g. the W4A4
     checkpoint's w13 input_scale, max over experts); None = dynamic per token row.
     intermediate_scale: "auto" (static for situ with linear_beta, else dynamic), "static" or
-    "dynamic" ("nvfp4" only; see the module docstring). out: optional [M, H] in hidden_states'
+    "dynamic" ("nvfp4" only; see the module docstring). activation: a GatedActivation. out: optional [M, H] in hidden_states'
     dtype. config: overrides FP4MoEConfig.heuristic (whose split-K the static model picks for
     this GPU's SM count; num_global_experts, under expert parallelism, sizes it for the local
     share of the pairs). deterministic: the top-k sum in slot order whatever the config (the
@@ -137,8 +135,8 @@ def fused_moe_fp4(
         out = torch.empty(M, H, dtype=dtype, device=device)
     if M == 0:
         return out
-    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
-    inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else 1.0
+    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation)
+    inter_s = activation.nvfp4_static_scale if static_inter else 1.0
     in_s = input_scale_value(input_scale, act_quant)
     cfg = config or FP4MoEConfig.heuristic(E, H, I, k, M, act_quant=act_quant, num_global_experts=num_global_experts,
                                            device_name=_device_name(device))
@@ -171,12 +169,12 @@ def fused_moe_fp4(
     inter_f32 = torch.empty(P, I, dtype=torch.float32, device=device) if out_f32 else iq
     part = split_k_partials(cfg.split_k1, P, I, inter_f32)
     w13_s = weights.w13_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w13_e8m0, "w13")
-    has_lb = activation == "situ" and situ_linear_beta is not None
+    beta, linear_beta = activation.kernel_args()
     _k.fp4_gemm1_kernel[(max_blocks, tiles1, cfg.split_k1)](
         aq, asc, ars, weights.w13, w13_s, weights.w13_scale_2, iq, isc, inter_f32, part, tickets1,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        num_pairs, k, H, I, float(situ_beta), float(situ_linear_beta) if has_lb else 1.0, inter_s,
-        MODE=mode, OUT_F32=out_f32, ACT=ACT_SITU if activation == "situ" else ACT_SILU, HAS_LINEAR_BETA=has_lb,
+        num_pairs, k, H, I, beta, linear_beta, inter_s,
+        MODE=mode, OUT_F32=out_f32, ACT=activation.kernel_id, HAS_LINEAR_BETA=activation.has_linear_beta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SPLIT_K=cfg.split_k1,
         SWAP_AB=cfg.swap_ab, EMULATE=emulate, **launch,
     )

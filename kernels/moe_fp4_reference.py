@@ -15,9 +15,9 @@ import torch
 
 from . import act_quant as aq
 from . import formats
+from .activation import K3_SITU, GatedActivation
 from .moe_details.weights import NVFP4MoEWeights
-from .moe_fp4_details.validate import (input_scale_value, intermediate_is_static, intermediate_static_scale,
-                                       validate_fp4_inputs)
+from .moe_fp4_details.validate import input_scale_value, intermediate_is_static, validate_fp4_inputs
 from .moe_fp4_details.weights import FP4MMAWeights
 from .situ import gated_activation_f32
 
@@ -29,9 +29,7 @@ def fused_moe_fp4_reference(
     topk_ids: torch.Tensor,
     *,
     act_quant: str = "nvfp4",
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float | None = 25.0,
+    activation: GatedActivation = K3_SITU,
     routed_scaling_factor: float | None = None,
     input_scale: float | torch.Tensor | None = None,
     intermediate_scale: str = "auto",
@@ -55,8 +53,8 @@ def fused_moe_fp4_reference(
     k = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate_size
     nv = act_quant == "nvfp4"
-    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
-    inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else None
+    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation)
+    inter_s = activation.nvfp4_static_scale if static_inter else None
     in_s = input_scale_value(input_scale, act_quant)
     if nv:
         xq, xs, xrs = aq.quantize_nvfp4_rows(hidden_states, in_s)
@@ -82,7 +80,7 @@ def fused_moe_fp4_reference(
             rs = xrs[tok][:, None]
             g = g * rs * weights.w13_scale_2[e, 0]
             u = u * rs * weights.w13_scale_2[e, 1]
-        a = gated_activation_f32(g, u, activation, situ_beta, situ_linear_beta)
+        a = gated_activation_f32(g, u, activation)
         if nv:
             a_q, a_s, a_rs = aq.quantize_nvfp4_rows(a, inter_s)
             y = (aq.dequantize_nvfp4_rows(a_q, a_s, None) @ w2.t()) * a_rs[:, None] * weights.w2_scale_2[e]

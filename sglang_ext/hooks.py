@@ -275,6 +275,8 @@ def process_weights_hook(original_fn, self, layer):
 
 
 def apply_hook(original_fn, self, layer, dispatch_output):
+    from k3nvfp4.kernels.activation import ActivationKind
+
     backend = _selected_backend(self)
     activation = self.moe_runner_config.activation
     if is_triton_situ(backend):
@@ -286,7 +288,7 @@ def apply_hook(original_fn, self, layer, dispatch_output):
     if (
         backend is not None
         and backend.is_marlin()
-        and activation == "situ"
+        and activation == ActivationKind.SITU
         and not getattr(layer, "_mega_moe_nvfp4", False)
     ):
         # SGLang 0.5.23 asserts the activation before its per-backend dispatch; marlin's own
@@ -298,11 +300,11 @@ def apply_hook(original_fn, self, layer, dispatch_output):
 
 def run_triton_situ(method: Any, layer: Any, dispatch_output: Any) -> Any:
     """The body of ``apply`` for triton_situ (ModelOpt NVFP4 and MXFP4 methods alike)."""
-    from .runner import SUPPORTED_ACTIVATIONS, TritonSituMoeQuantInfo
+    from k3nvfp4.kernels.activation import activation_kind
 
-    activation = method.moe_runner_config.activation
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(f"{BACKEND_NAME} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}")
+    from .runner import TritonSituMoeQuantInfo
+
+    activation_kind(method.moe_runner_config.activation, f"{BACKEND_NAME}: activation")
     weights = getattr(layer, WEIGHTS_ATTR, None)
     if weights is None:
         raise RuntimeError(

@@ -17,6 +17,7 @@ import fp4_moe_oracle as oracle
 import fp4_spec as spec
 from k3nvfp4.kernels import act_quant as aq
 from k3nvfp4.kernels import moe_fp4
+from k3nvfp4.kernels.activation import GatedActivation
 from k3nvfp4.kernels.moe_details.routing import small_routing_launch
 from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
 from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights, FP4MoEConfig, fused_moe_fp4
@@ -287,9 +288,10 @@ def test_epilogue_tile_quantizers_equal_oracle(mode, static):
 def test_static_situ_scale_is_the_bound_over_6x448(beta, linear_beta):
     bound = oracle.situ_bound(beta, linear_beta)
     s = oracle.situ_static_scale(beta, linear_beta)
-    assert moe_fp4.intermediate_static_scale("situ", beta, linear_beta) == s
-    assert moe_fp4.intermediate_static_scale("silu", beta, linear_beta) is None
-    assert moe_fp4.intermediate_static_scale("situ", beta, None) is None
+    assert GatedActivation.situ(beta, linear_beta).bound == bound
+    assert GatedActivation.situ(beta, linear_beta).nvfp4_static_scale == s
+    assert GatedActivation.silu().nvfp4_static_scale is None
+    assert GatedActivation.situ(beta, None).nvfp4_static_scale is None
     # the bound holds over a wide grid and is approached (g, u -> +inf), so it is the tight one
     v = np.concatenate([-np.logspace(-8, 4, 400), np.logspace(-8, 4, 400)])
     g, u = np.meshgrid(v, v)
@@ -396,7 +398,7 @@ def test_fused_moe_fp4_matches_float64_oracle(monkeypatch, mode, inter, activati
                        split_k1=1, split_k2=2)
     rec = LaunchRecorder(monkeypatch, ["route_quant_kernel", "fp4_gemm1_kernel", "quant_rows_kernel",
                                        "fp4_gemm2_kernel"])
-    kw = dict(act_quant=mode, activation=activation, situ_beta=beta, situ_linear_beta=lb, routed_scaling_factor=1.5,
+    kw = dict(act_quant=mode, activation=GatedActivation.parse(activation, beta, lb), routed_scaling_factor=1.5,
               input_scale=in_s, intermediate_scale=inter)
     got = fused_moe_fp4(torch.from_numpy(x).to(DEV), f, tw.to(DEV), ids.to(DEV), config=cfg, **kw)
     got = got.double().cpu().numpy()

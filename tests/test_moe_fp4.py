@@ -12,6 +12,7 @@ import torch
 from k3nvfp4.kernels import act_quant as aq
 from k3nvfp4.kernels import formats
 from k3nvfp4.kernels import moe_fp4
+from k3nvfp4.kernels.activation import GatedActivation
 from k3nvfp4.kernels.moe import fused_moe_nvfp4
 from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
 from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, FP4MMAWeights, FP4MoEConfig, fused_moe_fp4
@@ -248,7 +249,7 @@ def test_fused_moe_fp4_matches_reference(act_quant, swap_ab, skew, activation, s
     x, w, f, tw, ids = _case(4, 128, 128, 7, 3, seed=5, skew=skew)
     cfg = FP4MoEConfig(block_m=16, swap_ab=swap_ab, block_n1=64 if swap_ab else 128, block_n2=128, block_k1=64,
                        block_k2=64, split_k1=split_k[0], split_k2=split_k[1], atomic_reduce=atomic)
-    kw = dict(act_quant=act_quant, activation=activation, routed_scaling_factor=1.5)
+    kw = dict(act_quant=act_quant, activation=GatedActivation.parse(activation), routed_scaling_factor=1.5)
     got = fused_moe_fp4(x, f, tw, ids, config=cfg, **kw)
     ref = fused_moe_fp4_reference(x, f, tw, ids, **kw)
     # Same quantized activations; fp32 sums of these short K products are exact in any order here
@@ -262,7 +263,7 @@ def test_fused_moe_fp4_matches_reference(act_quant, swap_ab, skew, activation, s
     if not swap_ab:  # the W4A16 weights object directly: converted once, cached while it lives
         assert torch.equal(fused_moe_fp4(x, w, tw, ids, config=cfg, **kw), got)
         assert moe_fp4.prepared_fp4_weights(w, mxfp8=True) is moe_fp4.prepared_fp4_weights(w, mxfp8=False)
-    w16 = fused_moe_nvfp4(x, w, tw, ids, activation=activation, routed_scaling_factor=1.5)
+    w16 = fused_moe_nvfp4(x, w, tw, ids, activation=kw["activation"], routed_scaling_factor=1.5)
     # sanity vs W4A16 (measured here: nvfp4 0.028-0.075, mxfp8 0.028-0.063; one NVFP4-quantized
     # N(0, 1) tensor alone is off by 0.095, an MXFP8 one by 0.027)
     assert _rel(got, w16) < (0.15 if act_quant == "nvfp4" else 0.08), _rel(got, w16)
@@ -277,7 +278,7 @@ def test_nvfp4_static_input_scale_and_dynamic_intermediate():
         ref = fused_moe_fp4_reference(x, f, tw, ids, **kw)
         assert float((got - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
     with pytest.raises(ValueError, match="no bound"):
-        fused_moe_fp4(x, f, tw, ids, act_quant="nvfp4", activation="silu", intermediate_scale="static")
+        fused_moe_fp4(x, f, tw, ids, act_quant="nvfp4", activation=GatedActivation.silu(), intermediate_scale="static")
     with pytest.raises(ValueError, match="input_scale: only for act_quant='nvfp4'"):
         fused_moe_fp4(x, f, tw, ids, act_quant="mxfp8", input_scale=1.0)
     with pytest.raises(ValueError, match="act_quant"):

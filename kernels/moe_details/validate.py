@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..situ import ACTIVATIONS
+from ..activation import GatedActivation, as_gated_activation
 from .weights import NVFP4MoEWeights
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -15,7 +15,7 @@ def validate_moe_inputs(
     weights: NVFP4MoEWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    activation: str,
+    activation: GatedActivation,
     out: torch.Tensor | None,
 ) -> None:
     if not isinstance(weights, NVFP4MoEWeights):
@@ -23,8 +23,7 @@ def validate_moe_inputs(
             f"weights: expected NVFP4MoEWeights (build it with NVFP4MoEWeights.from_modelopt), "
             f"got {type(weights).__name__}"
         )
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    as_gated_activation(activation)
     if hidden_states.dim() != 2:
         raise ValueError(f"hidden_states: expected [M, H], got shape {tuple(hidden_states.shape)}")
     if hidden_states.dtype not in ACT_DTYPES:

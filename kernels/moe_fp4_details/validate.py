@@ -6,34 +6,26 @@ from __future__ import annotations
 
 import torch
 
+from ..activation import GatedActivation, as_gated_activation
 from ..moe_details.validate import ACT_DTYPES
-from ..situ import ACTIVATIONS
 from .weights import FP4MMAWeights
 
 ACT_QUANT_MODES = ("nvfp4", "mxfp8")
 
 
-def intermediate_static_scale(activation: str, situ_beta: float, situ_linear_beta: float | None) -> float | None:
-    """The static NVFP4 row scale of the SiTU intermediate, beta x linear_beta / (6 x 448) (|SiTU|
-    < beta x linear_beta), or None where the activation has no bound (silu, situ without cap)."""
-    if activation != "situ" or situ_linear_beta is None:
-        return None
-    return abs(float(situ_beta)) * abs(float(situ_linear_beta)) / 2688.0
-
-
-def intermediate_is_static(act_quant: str, intermediate_scale: str, activation: str, beta: float,
-                           linear_beta: float | None) -> bool:
-    """True: static NVFP4 scale of the intermediate (fused in GEMM1's epilogue)."""
+def intermediate_is_static(act_quant: str, intermediate_scale: str, activation: GatedActivation) -> bool:
+    """True: static NVFP4 scale of the intermediate (fused in GEMM1's epilogue), at
+    activation.nvfp4_static_scale (the activation's bound / (6 x 448))."""
     if intermediate_scale not in ("auto", "static", "dynamic"):
         raise ValueError(f"intermediate_scale: expected 'auto', 'static' or 'dynamic', got {intermediate_scale!r}")
     if act_quant != "nvfp4":
         if intermediate_scale != "auto":
             raise ValueError("intermediate_scale: only for act_quant='nvfp4' (MXFP8 scales are per 32-block)")
         return False
-    bounded = intermediate_static_scale(activation, beta, linear_beta) is not None
+    bounded = activation.bound is not None
     if intermediate_scale == "static" and not bounded:
-        raise ValueError(f"intermediate_scale='static': activation {activation!r} with linear_beta={linear_beta} "
-                         "has no bound, so no static scale exists; use 'dynamic' or 'auto'")
+        raise ValueError(f"intermediate_scale='static': activation {activation.describe()} has no bound, so no "
+                         "static scale exists; use 'dynamic' or 'auto'")
     return bounded and intermediate_scale != "dynamic"
 
 
@@ -60,8 +52,7 @@ def validate_fp4_inputs(x, weights, topk_weights, topk_ids, activation, out, act
         raise TypeError(f"weights: expected FP4MMAWeights or NVFP4MoEWeights, got {type(weights).__name__}")
     if act_quant not in ACT_QUANT_MODES:
         raise ValueError(f"act_quant: expected one of {ACT_QUANT_MODES}, got {act_quant!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    as_gated_activation(activation)
     if x.dim() != 2 or x.dtype not in ACT_DTYPES:
         raise ValueError(f"hidden_states: expected [M, H] bfloat16/float16/float32, got {tuple(x.shape)} {x.dtype}")
     M, H = x.shape

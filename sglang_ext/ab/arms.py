@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from k3nvfp4.kernels.activation import ActivationKind
+
 if TYPE_CHECKING:
     from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
@@ -139,8 +141,7 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
     reason = marlin_unavailable_reason(device)
     if reason:
         raise ArmUnavailable(reason)
-    if ex.hidden_act not in ("situ", "silu"):
-        raise ArmUnavailable(f"marlin supports gated silu/situ, not {ex.hidden_act}")
+    activation = ex.activation()  # ValueError for a name the kernels do not know (the report says so)
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
@@ -166,9 +167,9 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
     layer.params_dtype = dtype
     prepare_moe_nvfp4_layer_for_marlin(layer, group_size=16)
     E = ex.weights.num_experts
-    situ = ex.hidden_act == "situ"
-    clamp = ex.situ_linear_beta if situ else None
-    alpha = ex.situ_beta if situ else None
+    situ = activation.kind is ActivationKind.SITU
+    clamp = activation.linear_beta if situ else None
+    alpha = activation.beta if situ else None
 
     def run(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return fused_marlin_moe(
@@ -179,7 +180,7 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
             w1_global_scale=layer.w13_weight_scale_2, w2_global_scale=layer.w2_weight_scale_2,
             workspace=marlin_make_workspace(x.device, max_blocks_per_sm=4), num_bits=4, is_k_full=True,
             inplace=False, routed_scaling_factor=ex.routed_scaling_factor, clamp_limit=clamp, gemm1_alpha=alpha,
-            activation=ex.hidden_act, is_gated=True,
+            activation=activation.name, is_gated=True,
         ).to(x.dtype)
 
     return run, notes
@@ -193,8 +194,8 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
 
     from .flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights, unavailable_reason
 
-    w = ex.weights
-    reason = unavailable_reason(device, dtype, w.hidden_size, w.intermediate_size, ex.hidden_act, ex.situ_linear_beta)
+    w, activation = ex.weights, ex.activation()
+    reason = unavailable_reason(device, dtype, w.hidden_size, w.intermediate_size, activation)
     if reason:
         raise ArmUnavailable(reason)
     try:
@@ -203,7 +204,7 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
         raise ArmUnavailable(f"the experts are not exactly MXFP4 ({e})") from None
     except ValueError as e:
         raise ArmUnavailable(str(e)) from None
-    run = FlashInferMoE(fw, ex.hidden_act, ex.situ_beta, ex.situ_linear_beta, ex.routed_scaling_factor)
+    run = FlashInferMoE(fw, activation, ex.routed_scaling_factor)
     import flashinfer
 
     if isinstance(fw, FlashInferMXFP4):
@@ -213,7 +214,7 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
         path = ("cutlass_fused_moe NVFP4 x NVFP4 (SM100, W4A4): the layer's NVFP4 experts, activations quantized to "
                 "NVFP4 by FlashInfer (global scale 448*6/amax(x) per call); compare with triton_situ:nvfp4")
     act = ("ActivationType.Situ with per-expert situ_beta / situ_linear_beta; whether it ran SiTU is its error "
-           "against the reference (FlashInfer #4597)" if ex.hidden_act == "situ" else "SwiGLU (SiLU)")
+           "against the reference (FlashInfer #4597)" if activation.kind is ActivationKind.SITU else "SwiGLU (SiLU)")
     return (lambda x, tw, ids: run(x, tw, ids)), [f"flashinfer {flashinfer.__version__} {path}; {act}"]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from k3nvfp4.checkpoint.layer import NVFP4MoELayer, load_moe_layer
-from k3nvfp4.kernels.situ import ACTIVATIONS
+from k3nvfp4.kernels.activation import ACTIVATION_NAMES
 from k3nvfp4.kernels.testing import k3_like_nvfp4_moe_weights, realistic_hidden_states, sigmoid_topk_routing
 
 from .errors import InputError
@@ -45,8 +45,8 @@ def load_checkpoint_layer(ckpt: Path, layer: int | None, num_experts: int | None
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         raise InputError(f"--ckpt {ckpt} --layer {layer}: {msg}") from None
     act = t.hidden_act or "silu"
-    if act not in ACTIVATIONS:
-        raise InputError(f"{ckpt}: hidden_act {act!r} is not supported (situ or silu)")
+    if act not in ACTIVATION_NAMES:
+        raise InputError(f"{ckpt}: hidden_act {act!r} is not supported ({' or '.join(ACTIVATION_NAMES)})")
     return replace(t, hidden_act=act, situ_beta=t.situ_beta if t.situ_beta is not None else 4.0)
 
 
