@@ -176,9 +176,11 @@ def _storages(obj: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
 
 
-def layer_modelopt_tensors(layer: Any) -> tuple:
-    """The layer's six loaded ModelOpt tensors (linear block scales), in from_modelopt's order."""
-    return (layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data,
+def layer_modelopt_tensors(layer: Any) -> Any:
+    """The layer's six loaded ModelOpt tensors (linear block scales) as ModelOptMoETensors."""
+    from k3nvfp4.kernels.moe_details.weights import ModelOptMoETensors
+
+    return ModelOptMoETensors(layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data,
             layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_weight_scale_2.data)
 
 
@@ -195,14 +197,14 @@ def prepare_layer_for_triton_situ(layer: Any) -> Any:
     return weights
 
 
-def set_kernel_weights(layer: Any, weights: Any) -> Any:
-    """Store on the layer what the kernels take in the K3NVFP4_ACT_QUANT mode (and the static
-    NVFP4 input scale, if asked for); returns the weights stored. ``weights``: NVFP4MoEWeights
-    or the six ModelOpt tensors (act_quant.kernel_weights_for_mode)."""
+def set_kernel_weights(layer: Any, tensors: Any) -> Any:
+    """Prepare from the layer's checkpoint tensors (ModelOptMoETensors or MXFP4MoETensors) what
+    the kernels take in the K3NVFP4_ACT_QUANT mode and store it on the layer (with the static
+    NVFP4 input scale, if asked for); returns the weights stored."""
     from .act_quant import INPUT_SCALE_ATTR, kernel_weights_for_mode, selected_act_quant, static_input_scale
 
     act_quant = selected_act_quant()
-    weights = kernel_weights_for_mode(weights, act_quant, getattr(layer, "layer_name", "?"))
+    weights = kernel_weights_for_mode(tensors, act_quant, getattr(layer, "layer_name", "?"))
     setattr(layer, WEIGHTS_ATTR, weights)
     setattr(layer, INPUT_SCALE_ATTR, static_input_scale(layer, act_quant))
     return weights

@@ -104,11 +104,11 @@ def create_weights_hook(
     return None
 
 
-def build_layer_weights_mxfp4(layer: Any) -> Any:
-    """NVFP4MoEWeights from the layer's loaded MXFP4 tensors (E2M1 nibbles, E8M0 scales per 32)."""
-    from k3nvfp4.kernels import NVFP4MoEWeights
+def layer_mxfp4_tensors(layer: Any) -> Any:
+    """The layer's loaded MXFP4 tensors (E2M1 nibbles, E8M0 scales per 32) as MXFP4MoETensors."""
+    from k3nvfp4.kernels.moe_details.weights import MXFP4MoETensors
 
-    return NVFP4MoEWeights.from_mxfp4(
+    return MXFP4MoETensors(
         layer.w13_weight.data,
         layer.w13_weight_scale.data,
         layer.w2_weight.data,
@@ -126,7 +126,7 @@ def process_weights_hook(original_fn, self, layer):
     if not is_triton_situ(backend):
         return original_fn(self, layer)
     check_mxfp4_layer_supported(self, layer)
-    weights = set_kernel_weights(layer, build_layer_weights_mxfp4(layer))
+    weights = set_kernel_weights(layer, layer_mxfp4_tensors(layer))
     free_checkpoint_params(layer, weights, _MXFP4_PARAMS)
     log_active_once(layer, weights, source="MXFP4 (E8M0 scales per 32, read directly)")
     return None

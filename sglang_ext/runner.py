@@ -29,7 +29,7 @@ from .names import BACKEND_NAME
 class TritonSituMoeQuantInfo(MoeQuantInfo):
     """What the runner needs from the layer: its NVFP4 expert weights (this rank's shard)."""
 
-    weights: Any  # k3nvfp4.kernels.NVFP4MoEWeights, or FP4MMAWeights for the FP4 modes
+    weights: Any  # the mode's prepared weights: k3nvfp4.kernels.NVFP4MoEWeights, or FP4MMAWeights (FP4 modes)
     input_scale: float | None = None  # static NVFP4 activation scale (K3NVFP4_NVFP4_INPUT_SCALE=checkpoint)
 
 
@@ -103,9 +103,6 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
         super().__init__(config)
         # Fail at model construction, not at the first forward.
         self.activation = check_runner_config(config)
-        from .act_quant import selected_act_quant
-
-        self.act_quant = selected_act_quant()
 
     @property
     def runner_backend(self) -> MoeRunnerBackendLike:
@@ -134,7 +131,8 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
             routed_scaling_factor=routed_scaling_factor_for_runner(runner_config),
             # Under EP the ids range over all experts: the launch config is sized for the local pairs.
             num_global_experts=runner_config.num_experts,
-            **({} if self.act_quant == "none" else {"act_quant": self.act_quant, "input_scale": quant_info.input_scale}),
+            # The weights, prepared at load for the K3NVFP4_ACT_QUANT mode, choose the kernels.
+            input_scale=quant_info.input_scale,
         )
         return StandardCombineInput(hidden_states=out)
 

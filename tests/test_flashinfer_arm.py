@@ -59,7 +59,7 @@ def fi():
 
 def test_conversion_keeps_every_value_and_puts_up_rows_first():
     raw, w = mxfp4_experts()
-    mx = fa.FlashInferMXFP4.from_nvfp4(w)
+    mx = fa.FlashInferMXFP4.from_modelopt(w.to_modelopt())
     assert (mx.fc1.shape, mx.fc1_e8m0.shape, mx.fc2.shape, mx.fc2_e8m0.shape) == \
         ((E, 2 * I, H // 2), (E, 2 * I, H // 32), (E, H, I // 2), (E, H, I // 32))
     assert {t.dtype for t in (mx.fc1, mx.fc1_e8m0, mx.fc2, mx.fc2_e8m0)} == {torch.uint8}
@@ -85,7 +85,7 @@ def test_conversion_keeps_every_value_and_puts_up_rows_first():
 def test_random_nvfp4_experts_are_not_mxfp4_and_say_why():
     layer = synthetic_layer(2, H, I, top_k=2, seed=0)  # E4M3 block scales with mantissas
     with pytest.raises(E8M0RecoveryError, match=r"w13: .* not exact MXFP4; first at expert 0.*FlashInfer's SM90 W4A16"):
-        fa.FlashInferMXFP4.from_nvfp4(layer.weights)
+        fa.FlashInferMXFP4.from_modelopt(layer.tensors)
 
 
 def test_scale_folding_is_flashinfers_documented_layout(fi):
@@ -93,7 +93,7 @@ def test_scale_folding_is_flashinfers_documented_layout(fi):
     16, 16] where each 64 x 128 block of weights keeps its 64 x 4 scale bytes as 16 rows of 16: byte
     (r, c) of the block at folded row r % 16, column 4 * (r // 16) + c."""
     _, w = mxfp4_experts(1)
-    mx = fa.FlashInferMXFP4.from_nvfp4(w)
+    mx = fa.FlashInferMXFP4.from_modelopt(w.to_modelopt())
     for e8m0, rows, K in ((mx.fc1_e8m0, 2 * I, H), (mx.fc2_e8m0, H, I)):
         f = fa.interleaved_scales(e8m0)
         assert f.shape == (E, rows // 64, K // 128, 16, 16) and f.dtype == torch.uint8 and f.is_contiguous()
@@ -122,7 +122,7 @@ def _flashinfer_semantics(mx, x, tw, ids, beta, linear_beta, swap_halves=False):
 
 def test_flashinfer_semantics_on_the_converted_weights_give_the_reference():
     raw, w = mxfp4_experts(2)
-    mx = fa.FlashInferMXFP4.from_nvfp4(w)
+    mx = fa.FlashInferMXFP4.from_modelopt(w.to_modelopt())
     inp = realistic_routed_inputs(6, H, E, 2, seed=3, dtype=torch.float32)
     ids = inp.topk_ids.clone()
     ids[0, 1] = -1  # a route of another EP rank: skipped by both
@@ -137,7 +137,7 @@ def test_flashinfer_semantics_on_the_converted_weights_give_the_reference():
 @pytest.mark.parametrize("activation", ["situ", "silu"])
 def test_call_arguments_bind_to_the_installed_cutlass_fused_moe(fi, activation):
     _, w = mxfp4_experts(3)
-    mx = fa.FlashInferMXFP4.from_nvfp4(w)
+    mx = fa.FlashInferMXFP4.from_modelopt(w.to_modelopt())
     # On CPU FlashInfer's weight interleave (a CUDA kernel) cannot run: the identity stands in for
     # it here; it keeps shape and dtype (interleave_moe_weights_for_sm90_mixed_gemm: torch.empty_like).
     p = fa.prepare_sm90(mx, GatedActivation.parse(activation, 4.0, 25.0), interleave_weights=lambda t: t.clone())
@@ -210,7 +210,7 @@ def test_sm100_nvfp4_weights_and_call_arguments(fi):
     from k3nvfp4.kernels import formats
 
     layer = synthetic_layer(E, H, I, top_k=2, seed=4)  # random NVFP4, one scale_2 for gate and up
-    nv = fa.FlashInferNVFP4.from_nvfp4(layer.weights)
+    nv = fa.FlashInferNVFP4.from_modelopt(layer.tensors)
     w13, s13, s13_2, w2, s2, s2_2 = layer.weights.to_modelopt()
     ref13 = formats.dequantize_nvfp4(w13, s13, s13_2[:, 0]).double()
     got13 = formats.dequantize_nvfp4(nv.fc1, nv.fc1_scale, nv.fc1_scale_2).double()
@@ -263,7 +263,7 @@ def test_sm100_refuses_gate_and_up_scale_2_that_differ():
 
     w = random_nvfp4_moe_weights(2, H, I, seed=0, distinct_gate_up_scale_2=True)
     with pytest.raises(ValueError, match=r"gate scale_2 != up scale_2; FlashInfer's NVFP4 MoE has one GEMM1 alpha"):
-        fa.FlashInferNVFP4.from_nvfp4(w)
+        fa.FlashInferNVFP4.from_modelopt(w.to_modelopt())
 
 
 @pytest.mark.parametrize("args, why", [

@@ -61,7 +61,7 @@ import torch
 from k3nvfp4.kernels.activation import ActivationKind, GatedActivation
 
 if TYPE_CHECKING:
-    from k3nvfp4.kernels import NVFP4MoEWeights
+    from k3nvfp4.kernels.moe_details.weights import ModelOptMoETensors
 
 SM90_SHAPE_MULTIPLE = 128  # H and I (isProfileShapeSupported / prepare_cutlass_w4a16_weights)
 SM100_SHAPE_MULTIPLE = 64  # H (the activation scales' K alignment) and I (per-half 64-row scale padding)
@@ -100,14 +100,16 @@ class FlashInferMXFP4:
         return self.fc1.shape[1] // 2
 
     @classmethod
-    def from_nvfp4(cls, weights: NVFP4MoEWeights) -> "FlashInferMXFP4":
-        """From the kernels' weights (bit-exact ModelOpt tensors via ``to_modelopt``); raises
-        E8M0RecoveryError when the experts are not exactly MXFP4 (naming the first bad block)."""
+    def from_modelopt(cls, tensors: ModelOptMoETensors) -> "FlashInferMXFP4":
+        """From the layer's ModelOpt NVFP4 tensors (the checkpoint's, or the cast of the MXFP4
+        release); raises E8M0RecoveryError when the experts are not exactly MXFP4 (naming the
+        first bad block)."""
         from k3nvfp4.kernels.moe_details.weights import gate_up_scale_2
         from k3nvfp4.kernels.moe_fp4_details.weights import recover_e8m0
 
-        w13, s13, s13_2, w2, s2, s2_2 = weights.to_modelopt()
-        E, I, H = weights.num_experts, weights.intermediate_size, weights.hidden_size
+        w13, s13, s13_2, w2, s2, s2_2 = tensors
+        s13, s2 = _e4m3(s13), _e4m3(s2)
+        E, I, H = w13.shape[0], w13.shape[1] // 2, w2.shape[1]
         g_u = gate_up_scale_2(s13_2, E).float()
         rows13 = torch.cat([g_u[:, :1].expand(E, I), g_u[:, 1:].expand(E, I)], dim=1)  # scale_2 per w13 row
         e13 = recover_e8m0(w13, s13, rows13, "w13", use=MXFP4_USE)
@@ -288,13 +290,14 @@ class FlashInferNVFP4:
     fc2_scale_2: torch.Tensor
 
     @classmethod
-    def from_nvfp4(cls, weights: NVFP4MoEWeights) -> "FlashInferNVFP4":
-        """From the kernels' weights (``to_modelopt``); ValueError when an expert's gate and up
+    def from_modelopt(cls, tensors: ModelOptMoETensors) -> "FlashInferNVFP4":
+        """From the layer's ModelOpt NVFP4 tensors; ValueError when an expert's gate and up
         scale_2 differ (one alpha per expert: folding the ratio into E4M3 scales is not exact)."""
         from k3nvfp4.kernels.moe_details.weights import gate_up_scale_2
 
-        w13, s13, s13_2, w2, s2, s2_2 = weights.to_modelopt()
-        E, I = weights.num_experts, weights.intermediate_size
+        w13, s13, s13_2, w2, s2, s2_2 = tensors
+        s13, s2 = _e4m3(s13), _e4m3(s2)
+        E, I = w13.shape[0], w13.shape[1] // 2
         g_u = gate_up_scale_2(s13_2, E).float()
         differ = int((g_u[:, 0] != g_u[:, 1]).sum())
         if differ:
@@ -405,9 +408,15 @@ class FlashInferMoE:
         return res[0] if isinstance(res, (list, tuple)) else res
 
 
-def flashinfer_weights(weights: NVFP4MoEWeights, device: torch.device) -> FlashInferMXFP4 | FlashInferNVFP4:
-    """The experts in the form the GPU's path takes (SM90: MXFP4; SM100/SM103: NVFP4), on ``device``.
-    Raises E8M0RecoveryError (SM90, experts not exactly MXFP4) or ValueError (SM100, gate/up scale_2)."""
+def flashinfer_weights(tensors: ModelOptMoETensors, device: torch.device) -> FlashInferMXFP4 | FlashInferNVFP4:
+    """The experts (the layer's ModelOpt NVFP4 tensors) in the form the GPU's path takes (SM90:
+    MXFP4; SM100/SM103: NVFP4), on ``device``. Raises E8M0RecoveryError (SM90, experts not exactly
+    MXFP4) or ValueError (SM100, gate/up scale_2)."""
     if torch.cuda.get_device_capability(device)[0] == 10:
-        return FlashInferNVFP4.from_nvfp4(weights).to(device)
-    return FlashInferMXFP4.from_nvfp4(weights).to(device)
+        return FlashInferNVFP4.from_modelopt(tensors).to(device)
+    return FlashInferMXFP4.from_modelopt(tensors).to(device)
+
+
+def _e4m3(scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales as float8_e4m3fn (SGLang may hold their uint8 bits)."""
+    return scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale
