@@ -198,7 +198,7 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
     """FlashInfer's SiTU MoE (flashinfer_arm): SM90 W4A16 on the experts as MXFP4, SM100 NVFP4 x NVFP4 on
     them as they are; where it cannot run, or the experts do not have the form it takes,
     ArmUnavailable with the reason."""
-    from k3nvfp4.kernels.moe_fp4_details.weights import E8M0RecoveryError
+    from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError
 
     from .flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights, unavailable_reason
 
