@@ -160,10 +160,10 @@ def run_point(torch, name, shape, M, weights, args, cpu, flush, mode: str = "w4a
         point = {"mode": mode, "shape": name, "M": M, "config": cfg.__dict__.copy(), "config_label": cfg.label()}
 
         def moe(tw, ids, out=None, deterministic=False):
-            return fused_moe_fp4(x, weights, tw, ids, act_quant=mode, out=out, deterministic=deterministic)
+            return fused_moe_fp4(x, weights, tw, ids, out=out, deterministic=deterministic)
 
         def reference():
-            return fused_moe_fp4_reference(x, weights, tw, ids, act_quant=mode)
+            return fused_moe_fp4_reference(x, weights, tw, ids)
 
     def call():
         moe(tw, ids, out=out, deterministic=True)

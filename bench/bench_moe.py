@@ -44,7 +44,7 @@ Writes <out-dir>/moe-<device>.json, .md (table) and .png. Run from the repo root
   python bench/bench_moe.py --device cpu --shapes tiny-tp,tiny-ep --quick   # interpreter smoke run
 
 On a Blackwell GPU (sm100/sm103) each point also times the FP4 tensor-core modes
-(act_quant_nvfp4 / act_quant_mxfp8: fused_moe_nvfp4(act_quant=...) on random MXFP4-structured
+(act_quant_nvfp4 / act_quant_mxfp8: fused_moe_nvfp4 on each mode's weights from random MXFP4
 weights, checked against fused_moe_fp4_reference first; x_vs_w4a16 = W4A16 time / mode time).
 """
 
@@ -325,9 +325,9 @@ def marlin_arm(torch, lib, weights, shape, x, tw, ids, ref, info: dict):
 
 
 def mxfp4_bench_weights(torch, shape, device, seed: int):
-    """Random MXFP4 experts (uniform E2M1 nibbles, E8M0 scales 2^-7 .. 2^-4 per 32) as
-    NVFP4MoEWeights: what the FP4 modes and FlashInfer's MXFP4 MoE take."""
-    from k3nvfp4.kernels import NVFP4MoEWeights
+    """Random MXFP4 experts (uniform E2M1 nibbles, E8M0 scales 2^-7 .. 2^-4 per 32) as the
+    release's tensors (MXFP4MoETensors), from which each mode and FlashInfer prepare their own."""
+    from k3nvfp4.kernels.moe_details.weights import MXFP4MoETensors
 
     g = torch.Generator(device).manual_seed(seed + 7)
     E, H, I = shape.E, shape.H, shape.I
@@ -338,17 +338,17 @@ def mxfp4_bench_weights(torch, shape, device, seed: int):
     def e8m0(*s):  # 2^-7 .. 2^-4 per 32-block: O(1) outputs for O(1) inputs at K3's fan-in
         return torch.randint(120, 124, s, dtype=torch.uint8, device=device, generator=g)
 
-    return NVFP4MoEWeights.from_mxfp4(nibbles(E, 2 * I, H // 2), e8m0(E, 2 * I, H // 32), nibbles(E, H, I // 2),
-                                      e8m0(E, H, I // 32))
+    return MXFP4MoETensors(nibbles(E, 2 * I, H // 2), e8m0(E, 2 * I, H // 32), nibbles(E, H, I // 2),
+                           e8m0(E, H, I // 32))
 
 
 def fp4_mode_arms(torch, shape, device, seed: int) -> dict:
     """{act_quant: FP4MMAWeights} for the Blackwell FP4 modes, from random MXFP4 experts (E8M0
     scales per 32, so both modes can run: mxfp8 needs E8M0-representable weight scales)."""
-    from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights
+    from k3nvfp4.kernels.modes import MODES
 
-    w = mxfp4_bench_weights(torch, shape, device, seed)
-    return {mode: FP4MMAWeights.from_nvfp4(w, mxfp8=mode == "mxfp8") for mode in ("nvfp4", "mxfp8")}
+    t = mxfp4_bench_weights(torch, shape, device, seed)
+    return {mode: MODES[mode].prepare(t) for mode in ("nvfp4", "mxfp8")}
 
 
 FLASHINFER_TOL = 2e-2  # SM90 W4A16: bf16, normwise, as marlin's (FlashInfer also rounds the GEMM1 output to bf16)
@@ -360,9 +360,10 @@ FLASHINFER_W4A4_TOL = 0.25
 def flashinfer_status(torch, shape, device) -> str | None:
     """None when FlashInfer's SiTU MoE can be tried on this shape here, else "not available: why"
     (k3nvfp4.sglang_ext.ab.flashinfer_arm.unavailable_reason: device, arch, shape, build)."""
+    from k3nvfp4.kernels.activation import K3_SITU
     from k3nvfp4.sglang_ext.ab.flashinfer_arm import unavailable_reason
 
-    why = unavailable_reason(device, torch.bfloat16, shape.H, shape.I, "situ", 25.0)
+    why = unavailable_reason(device, torch.bfloat16, shape.H, shape.I, K3_SITU)
     return None if why is None else f"not available: {why}"
 
 
@@ -371,7 +372,9 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
     shape and its output at the check M (NaN-poisoned) is within tolerance of the reference on the
     same MXFP4 experts; else (None, why). Its error is recorded either way: it is what tells
     whether FlashInfer ran SiTU (FlashInfer #4597), never assumed."""
-    from k3nvfp4.kernels import fused_moe_nvfp4_reference
+    from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4_reference
+    from k3nvfp4.kernels.activation import K3_SITU
+    from k3nvfp4.kernels.moe_fp4_details.weights import cast_mxfp4_moe
     from k3nvfp4.sglang_ext.ab.flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights
 
     why = flashinfer_status(torch, shape, device)
@@ -380,9 +383,10 @@ def flashinfer_arm(torch, shape, device, seed: int, x, tw, ids, info: dict):
         return None, why
     try:
         t0 = time.monotonic()
-        w = mxfp4_bench_weights(torch, shape, device, seed)
-        fw = flashinfer_weights(w, device)
-        fi = FlashInferMoE(fw, "situ", 4.0, 25.0)
+        t = mxfp4_bench_weights(torch, shape, device, seed)
+        fw = flashinfer_weights(cast_mxfp4_moe(*t), device)  # FlashInfer takes the NVFP4 (cast) tensors
+        w = NVFP4MoEWeights.from_mxfp4(*t)  # the reference's weights, from the same experts
+        fi = FlashInferMoE(fw, K3_SITU)
         w4a16 = isinstance(fw, FlashInferMXFP4)
         tol = FLASHINFER_TOL if w4a16 else FLASHINFER_W4A4_TOL
         torch.cuda.synchronize()
@@ -426,9 +430,9 @@ def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, t
     from k3nvfp4.kernels.tune import normwise_error
 
     out = torch.empty_like(x)
-    run = lambda: fused_moe_nvfp4(x, weights, tw, ids, act_quant=act_quant, out=out)  # noqa: E731
+    run = lambda: fused_moe_nvfp4(x, weights, tw, ids, out=out)  # noqa: E731 - the weights choose the mode
     run()
-    ref = fused_moe_fp4_reference(x, weights, tw, ids, act_quant=act_quant).float()
+    ref = fused_moe_fp4_reference(x, weights, tw, ids).float()
     err = normwise_error(out, ref)
     if not err <= 1e-2:
         return {"error": f"output differs from fused_moe_fp4_reference: normwise {err:.3g} > 1e-2 (not timed)"}

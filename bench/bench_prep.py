@@ -6,8 +6,8 @@ load. This times that preparation on one real-sized layer of random tensors:
 
 - ``nvfp4``: NVFP4MoEWeights.from_modelopt (the cast checkpoint in SGLang);
 - ``mxfp4``: NVFP4MoEWeights.from_mxfp4 (the MXFP4 release served as released);
-- ``fp4_nvfp4``: FP4MMAWeights.from_modelopt(mxfp8=False) (the W4A4 mode's weights);
-- ``fp4_mxfp8``: FP4MMAWeights.from_modelopt(mxfp8=True) on the cast of MXFP4 tensors (the W4A8
+- ``fp4_nvfp4``: FP4MMAWeights.from_modelopt(act_quant="nvfp4") (the W4A4 mode's weights);
+- ``fp4_mxfp8``: FP4MMAWeights.from_modelopt(act_quant="mxfp8") on the cast of MXFP4 tensors (the W4A8
   mode: E8M0 scales recovered from the NVFP4 ones);
 - ``to_modelopt``: NVFP4MoEWeights.to_modelopt (the inverse, for tests and the A/B tools);
 - on a GPU, where SGLang is installed, SGLang's marlin preparation of the same layer.
@@ -105,8 +105,8 @@ def run_one(shape: str, path: str, device: str) -> dict:
     warm = _inputs("nvfp4" if path == "to_modelopt" else path, 1, I, H, dev)[0]
     w = (NVFP4MoEWeights.from_modelopt(*warm).to_modelopt() if path == "to_modelopt" else
          {"nvfp4": NVFP4MoEWeights.from_modelopt, "mxfp4": NVFP4MoEWeights.from_mxfp4,
-          "fp4_nvfp4": lambda *a: FP4MMAWeights.from_modelopt(*a, mxfp8=False),
-          "fp4_mxfp8": lambda *a: FP4MMAWeights.from_modelopt(*a, mxfp8=True)}[path](*warm))
+          "fp4_nvfp4": lambda *a: FP4MMAWeights.from_modelopt(*a, act_quant="nvfp4"),
+          "fp4_mxfp8": lambda *a: FP4MMAWeights.from_modelopt(*a, act_quant="mxfp8")}[path](*warm))
     first_call_s = time.perf_counter() - t0
     del warm, w
     if path == "to_modelopt":
@@ -117,8 +117,8 @@ def run_one(shape: str, path: str, device: str) -> dict:
     else:
         args, src = _inputs(path, E, I, H, dev)
         fn = {"nvfp4": NVFP4MoEWeights.from_modelopt, "mxfp4": NVFP4MoEWeights.from_mxfp4,
-              "fp4_nvfp4": lambda *a: FP4MMAWeights.from_modelopt(*a, mxfp8=False),
-              "fp4_mxfp8": lambda *a: FP4MMAWeights.from_modelopt(*a, mxfp8=True)}[path]
+              "fp4_nvfp4": lambda *a: FP4MMAWeights.from_modelopt(*a, act_quant="nvfp4"),
+              "fp4_mxfp8": lambda *a: FP4MMAWeights.from_modelopt(*a, act_quant="mxfp8")}[path]
     in_bytes = _nbytes(args)
     if cuda:
         torch.cuda.synchronize()
@@ -139,7 +139,7 @@ def run_one(shape: str, path: str, device: str) -> dict:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     temp = max(0, peak - out_bytes)
-    # FP4MMAWeights(mxfp8=False) keeps the ModelOpt tensors as they are: nothing to time as a rate.
+    # FP4MMAWeights(act_quant="nvfp4") keeps the ModelOpt tensors as they are: nothing to time as a rate.
     no_copy = out_bytes < 0.01 * src
     return {"shape": shape, "path": path, "device": device, "experts": E, "I": I, "H": H,
             "source_bytes": src, "input_bytes": in_bytes, "output_bytes": out_bytes, "seconds": round(dt, 4),

@@ -34,12 +34,13 @@ from k3nvfp4.common.files import write_json_atomic
 from k3nvfp4.kernels import act_quant as aq
 from k3nvfp4.kernels import formats
 from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
-from k3nvfp4.kernels.moe_fp4 import intermediate_static_scale
+from k3nvfp4.kernels.activation import GatedActivation
 from k3nvfp4.kernels.situ import gated_activation_f32
 from k3nvfp4.kernels.testing import (k3_like_nvfp4_moe_weights, kimi_routing, random_mxfp4_tensors,
                                      realistic_hidden_states)
 
 BETA, LINEAR_BETA = 4.0, 25.0
+SITU = GatedActivation.situ(BETA, LINEAR_BETA)
 
 
 def _nvfp4(static: float | None):
@@ -73,7 +74,7 @@ def moe_fp32(x, w13, w2, tw, ids, quant_x, quant_a) -> torch.Tensor:
     for e in ids.unique().tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         h = xq[tok] @ w13[e].t()
-        a = gated_activation_f32(h[:, :I], h[:, I:], "situ", BETA, LINEAR_BETA)
+        a = gated_activation_f32(h[:, :I], h[:, I:], SITU)
         out.index_add_(0, tok, (quant_a(a) @ w2[e].t()) * tw[tok, slot][:, None])
     return out
 
@@ -90,7 +91,7 @@ def run(E: int, H: int, I: int, M: int, top_k: int, seed: int) -> dict:
     }
     acts = {"gaussian": torch.randn(M, H, generator=g), "heavy-tailed": realistic_hidden_states(M, H, g)[0]}
     tw, ids = kimi_routing(M, top_k, E, seed=seed)
-    inter_static = intermediate_static_scale("situ", BETA, LINEAR_BETA)
+    inter_static = SITU.nvfp4_static_scale
     arms = {
         "x nvfp4 (dynamic per token)": (_nvfp4(None), _none),
         "x nvfp4 (static input scale)": (None, _none),  # filled per activation set below
@@ -108,7 +109,7 @@ def run(E: int, H: int, I: int, M: int, top_k: int, seed: int) -> dict:
         for xname, x in acts.items():
             ref = moe_fp32(x, w13, w2, tw, ids, _none, _none)
             h = x @ w13[ids[0, 0]].t()
-            a = gated_activation_f32(h[:, :I], h[:, I:], "situ", BETA, LINEAR_BETA)
+            a = gated_activation_f32(h[:, :I], h[:, I:], SITU)
             # A static input scale as a W4A4 checkpoint calibrates it: the batch's max / 2688.
             static_in = float(x.abs().max()) / aq.NVFP4_ROW_RANGE
             row = {"weights": wname, "activations": xname,

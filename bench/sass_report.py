@@ -382,7 +382,7 @@ def markdown(result: dict) -> str:
 
         lines += ["", *b200.markdown(result["b200"]["fp4"], result["b200"]["w4a16"])]
     if result.get("fp4_modes"):
-        lines += ["", "FP4 tensor-core modes (`fused_moe_nvfp4(act_quant=...)`), sm_100, K3 TP16 shapes: the MMA "
+        lines += ["", "FP4 tensor-core modes (`fused_moe_nvfp4` on FP4MMAWeights), sm_100, K3 TP16 shapes: the MMA "
                   "each GEMM compiles to (`k3nvfp4.kernels.offline.compile`):", "",
                   "| kernel | tcgen05.mma | kind | block scale | wgmma / mma.sync | regs | spill B | native |",
                   "|---|---|---|---|---|---|---|---|"]

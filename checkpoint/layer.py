@@ -16,7 +16,9 @@ import torch
 from safetensors import safe_open
 
 from ..kernels import NVFP4MoEWeights
-from ..kernels.cast import MXFP4Weight, cast_expert
+from ..kernels.activation import GatedActivation
+from ..kernels.moe_details.weights import ModelOptMoETensors, MXFP4MoETensors
+from ..kernels.moe_fp4_details.weights import cast_mxfp4_moe
 from .layout import CONFIG_FILE, INDEX_FILE
 
 
@@ -27,7 +29,10 @@ class NVFP4MoELayer:
     weights: the E loaded experts (in ``experts`` order) as :class:`NVFP4MoEWeights`
       (w13 uint8 [E, 2I, H/2] gate rows then up rows, w13_scale E4M3 bits [E, 2I, H/16],
       w13_scale_2 float32 [E, 2] (gate, up), w2 uint8 [E, H, I/2], w2_scale [E, H, I/16],
-      w2_scale_2 float32 [E]; ``weights.to_modelopt()`` gives SGLang's ModelOpt tensors).
+      w2_scale_2 float32 [E]), the W4A16 mode's prepared weights.
+    tensors: the checkpoint tensors as loaded (ModelOptMoETensors, or MXFP4MoETensors for the
+      MXFP4 release), from which every other mode (an A/B arm) prepares its own weights; None
+      where the layer was built from prepared weights only.
     hidden_act, situ_beta, situ_linear_beta (None = not set / no cap), top_k,
     routed_scaling_factor: the model's text config. experts: global ids of the loaded experts,
     num_global_experts: experts of the whole layer. source: where it came from, for reports.
@@ -44,17 +49,26 @@ class NVFP4MoELayer:
     layer: int | None = None  # layer number in the checkpoint (None: synthetic)
     source: str = ""
     source_format: str = "nvfp4"  # "nvfp4" (ModelOpt / synthetic) or "mxfp4" (the release, no cast)
-    # MXFP4 sources only: the same experts through the closed-form cast (what k3nvfp4-cast writes).
+    # MXFP4 sources only: the same experts through the closed-form cast (what k3nvfp4-cast writes),
+    # as ModelOpt tensors and as the W4A16 weights prepared from them.
     cast_weights: NVFP4MoEWeights | None = None
+    tensors: ModelOptMoETensors | MXFP4MoETensors | None = None
+    cast_tensors: ModelOptMoETensors | None = None
+
+    def modelopt_tensors(self) -> ModelOptMoETensors | None:
+        """The layer's experts as ModelOpt NVFP4 tensors: the checkpoint's, or for the MXFP4
+        release the closed-form cast's (what NVFP4 consumers - marlin, FlashInfer - are fed)."""
+        return self.tensors if isinstance(self.tensors, ModelOptMoETensors) else self.cast_tensors
+
+    def activation(self) -> GatedActivation:
+        """The config's activation as one value (an unset situ_beta is SGLang's 4.0); ValueError
+        for a hidden_act the kernels do not implement."""
+        return GatedActivation.parse(self.hidden_act, self.situ_beta, self.situ_linear_beta)
 
     def activation_kwargs(self) -> dict:
-        """activation / situ_beta / situ_linear_beta / routed_scaling_factor keyword arguments of
-        ``fused_moe_nvfp4`` (and its reference); an unset situ_beta keeps the kernels' 4.0."""
-        kw = dict(activation=self.hidden_act, situ_linear_beta=self.situ_linear_beta,
-                  routed_scaling_factor=self.routed_scaling_factor)
-        if self.situ_beta is not None:
-            kw["situ_beta"] = self.situ_beta
-        return kw
+        """activation / routed_scaling_factor keyword arguments of ``fused_moe_nvfp4`` (and of
+        every reference: one MoE signature)."""
+        return dict(activation=self.activation(), routed_scaling_factor=self.routed_scaling_factor)
 
 
 def _text_config(ckpt: Path) -> dict:
@@ -198,7 +212,7 @@ def _load_nvfp4(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Seq
     for x, n, dt in ((w1, "w1.weight", torch.uint8), (s1, "w1.weight_scale", torch.float8_e4m3fn)):
         if x.dtype != dt:
             raise TypeError(f"{ckpt}: layer {layer} {n} has dtype {x.dtype}, expected {dt} (ModelOpt NVFP4)")
-    weights = NVFP4MoEWeights.from_modelopt(
+    tensors = ModelOptMoETensors(
         torch.cat([w1, w3], dim=1),
         torch.cat([s1, s3], dim=1),
         torch.stack([t.get("w1", "weight_scale_2").reshape(-1), t.get("w3", "weight_scale_2").reshape(-1)], dim=1).to(torch.float32),
@@ -206,7 +220,7 @@ def _load_nvfp4(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Seq
         t.get("w2", "weight_scale"),
         t.get("w2", "weight_scale_2").reshape(-1).to(torch.float32),
     )
-    return _layer(weights, t, ckpt, layer)
+    return _layer(NVFP4MoEWeights.from_modelopt(*tensors), t, ckpt, layer, tensors=tensors)
 
 
 def load_moe_layer_mxfp4(
@@ -228,23 +242,10 @@ def _load_mxfp4(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Seq
         for x, n in ((packed[w], "weight_packed"), (e8m0[w], "weight_scale")):
             if x.dtype != torch.uint8:
                 raise TypeError(f"{ckpt}: layer {layer} {w}.{n} has dtype {x.dtype}, expected uint8 (MXFP4)")
-    weights = NVFP4MoEWeights.from_mxfp4(
+    tensors = MXFP4MoETensors(
         torch.cat([packed["w1"], packed["w3"]], dim=1), torch.cat([e8m0["w1"], e8m0["w3"]], dim=1),
         packed["w2"], e8m0["w2"],
     )  # fmt: skip
-    return _layer(weights, t, ckpt, layer, source_format="mxfp4", cast_weights=cast_moe_weights(packed, e8m0))
-
-
-def cast_moe_weights(packed: dict[str, torch.Tensor], e8m0: dict[str, torch.Tensor]) -> NVFP4MoEWeights:
-    """The closed-form cast (kernels.cast.cast_expert, what k3nvfp4-cast writes) of stacked MXFP4
-    experts {"w1", "w3", "w2": [E, rows, K/2]} / {...: [E, rows, K/32]}, in the kernels' layout."""
-    casts = [cast_expert(*(MXFP4Weight(packed[w][e], e8m0[w][e], f"expert {e} {w}") for w in ("w1", "w3", "w2")),
-                         backend="torch") for e in range(packed["w1"].shape[0])]  # fmt: skip
-    return NVFP4MoEWeights.from_modelopt(
-        torch.stack([torch.cat([c[0].packed, c[1].packed]) for c in casts]),
-        torch.stack([torch.cat([c[0].scale, c[1].scale]) for c in casts]),
-        torch.stack([torch.stack([c[0].scale_2, c[1].scale_2]) for c in casts]).to(torch.float32),
-        torch.stack([c[2].packed for c in casts]),
-        torch.stack([c[2].scale for c in casts]),
-        torch.stack([c[2].scale_2 for c in casts]).reshape(-1).to(torch.float32),
-    )
+    cast = cast_mxfp4_moe(*tensors, backend="torch")
+    return _layer(NVFP4MoEWeights.from_mxfp4(*tensors), t, ckpt, layer, source_format="mxfp4", tensors=tensors,
+                  cast_tensors=cast, cast_weights=NVFP4MoEWeights.from_modelopt(*cast))

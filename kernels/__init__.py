@@ -14,11 +14,16 @@ __all__ = [
     "cast_mxfp4_to_nvfp4",
 ]
 
-# Fused NVFP4 gated MoE (helper "moe").
-from .moe import MoEConfig, NVFP4MoEWeights, fused_moe_nvfp4, fused_moe_nvfp4_reference  # noqa: E402
+# Fused NVFP4 gated MoE: one entry point, the prepared weights choose the mode (kernels/modes.py).
+from .activation import K3_SITU, ActivationKind, GatedActivation  # noqa: E402
+from .moe import FP4MMAWeights, MoEConfig, NVFP4MoEWeights, fused_moe_nvfp4, fused_moe_nvfp4_reference  # noqa: E402
 from .situ import situ_and_mul, silu_and_mul  # noqa: E402
 
 __all__ += [
+    "ActivationKind",
+    "FP4MMAWeights",
+    "GatedActivation",
+    "K3_SITU",
     "MoEConfig",
     "NVFP4MoEWeights",
     "fused_moe_nvfp4",

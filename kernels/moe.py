@@ -5,8 +5,12 @@ no host sync: routing alignment in one program, GEMM1 with the gated activation 
 epilogue, GEMM2 with scale_2, routing weight, the top-k sum, routed_scaling_factor and the cast
 to the output. Above 1024 pairs the routing takes 3 kernels + a memset; atomic_reduce adds a
 memset of its fp32 accumulator. Every buffer is sized by the worst case, nothing reads device
-values on the host, so the whole call can be captured in a CUDA graph. act_quant="nvfp4" /
-"mxfp8" hands the call to the FP4 tensor-core kernels of moe_fp4.py (Blackwell's block-scaled MMA).
+values on the host, so the whole call can be captured in a CUDA graph.
+
+fused_moe_nvfp4 is the one public entry point of every mode (kernels/modes.py): the prepared
+weights choose the kernels. NVFP4MoEWeights run the W4A16 kernels of this module;
+FP4MMAWeights prepared for act_quant="nvfp4" / "mxfp8" run the FP4 tensor-core kernels of
+moe_fp4.py (Blackwell's block-scaled MMA). No call converts one mode's weights into another's.
 
 Kernel design (moe_details/kernels.py):
 - tokens of one expert are grouped into block_m-row blocks (routing.py); program (b, n, s)
@@ -36,71 +40,68 @@ import dataclasses
 import torch
 import triton.language as tl
 
+from .activation import K3_SITU, GatedActivation
 from .interpreter import kernels_interpreted
 from .moe_details import kernels as _k
-from .moe_details.activation import ACT_SILU, ACT_SITU
 from .moe_details.config import MoEConfig, get_moe_config
 from .moe_details.routing import align_routing_triton, max_padded_blocks
 from .moe_details.skeleton import arrival_counters, split_k_partials, top_k_buffer
 from .moe_details.validate import validate_moe_inputs
 from .moe_details.weights import NVFP4MoEWeights
+from .moe_fp4 import FP4MMAWeights, fused_moe_fp4
 from .moe_reference import fused_moe_nvfp4_reference
+from .modes import W4A16, mode_of
 
-__all__ = ["MoEConfig", "NVFP4MoEWeights", "fused_moe_nvfp4", "fused_moe_nvfp4_reference"]
+__all__ = ["FP4MMAWeights", "MoEConfig", "NVFP4MoEWeights", "fused_moe_nvfp4", "fused_moe_nvfp4_reference"]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def fused_moe_nvfp4(
     hidden_states: torch.Tensor,
-    weights: NVFP4MoEWeights,
+    weights: NVFP4MoEWeights | FP4MMAWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float | None = 25.0,
+    activation: GatedActivation = K3_SITU,
     routed_scaling_factor: float | None = None,
     out: torch.Tensor | None = None,
-    config: MoEConfig | None = None,
+    config=None,
     deterministic: bool = False,
-    act_quant: str = "none",
     input_scale: float | torch.Tensor | None = None,
     num_global_experts: int | None = None,
 ) -> torch.Tensor:
-    """Routed experts of one MoE layer.
+    """Routed experts of one MoE layer, in the mode its weights were prepared for.
 
     hidden_states: [M, H] bfloat16 / float16 (float32 accepted, computed with fp32 dots);
-    weights: NVFP4MoEWeights (E experts, H, I); topk_weights: float32 [M, k];
+    weights: the prepared weights of one mode (E experts, H, I; kernels/modes.py):
+    NVFP4MoEWeights (W4A16, this module's kernels) or FP4MMAWeights with act_quant "nvfp4"
+    (W4A4: NVFP4 activations and intermediate) or "mxfp8" (W4A8: MXFP8 activations against
+    MXFP4 weights), which :func:`k3nvfp4.kernels.moe_fp4.fused_moe_fp4` runs; topk_weights: float32 [M, k];
     topk_ids: int32/int64 [M, k], ids outside [0, E) (-1: expert on another rank) contribute
-    nothing. activation: "situ" (beta=situ_beta, linear cap situ_linear_beta, None = no cap) or
-    "silu". The weighted sum over k is multiplied by routed_scaling_factor (None = 1), as SGLang
+    nothing. activation: a GatedActivation (SiTU with its beta and linear cap, or SiLU; default
+    Kimi-K3's situ(4, 25)). The weighted sum over k is multiplied by routed_scaling_factor (None = 1), as SGLang
     does after its moe_sum. out: optional [M, H] destination in hidden_states' dtype.
-    config: launch config overriding the tuned/heuristic lookup (the tuner passes it).
-    act_quant: "none" (W4A16, this module's kernels), or an FP4 tensor-core mode of
-    :func:`k3nvfp4.kernels.moe_fp4.fused_moe_fp4`: "nvfp4" (W4A4: NVFP4 activations and
-    intermediate) or "mxfp8" (W4A8: MXFP8 activations against MXFP4 weights); weights may then be
-    FP4MMAWeights (prepare once) or NVFP4MoEWeights (converted once, cached); input_scale: the
-    static NVFP4 activation scale ("nvfp4" only; None = dynamic per token); ``config`` does not
-    apply there (fused_moe_fp4 takes an FP4MoEConfig), ``deterministic`` does.
+    config: launch config overriding the tuned/heuristic lookup (the tuner passes it): the
+    mode's config class (MoEConfig for W4A16, FP4MoEConfig for the FP4 modes).
+    input_scale: the static NVFP4 activation scale (W4A4 only; None = dynamic per token).
+    deterministic: the top-k sum in a fixed order whatever the config.
     num_global_experts: the experts topk_ids range over, when this rank holds E of them (expert
     parallelism; None = E). Only the launch-config choice uses it (both paths): ~E /
     num_global_experts of the pairs are local, and the tiles are sized for those.
     Returns [M, H] in hidden_states' dtype.
     """
-    if act_quant != "none":
-        if config is not None:
-            raise ValueError(f"fused_moe_nvfp4: config is a W4A16 MoEConfig; act_quant={act_quant!r} runs "
-                             "fused_moe_fp4 (pass its FP4MoEConfig there)")  # fmt: skip
-        from .moe_fp4 import fused_moe_fp4
-
-        return fused_moe_fp4(hidden_states, weights, topk_weights, topk_ids, act_quant=act_quant,
-                             activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+    mode = mode_of(weights)
+    if config is not None and not isinstance(config, mode.config_type):
+        raise TypeError(f"config: the {mode.label} weights (act_quant={mode.name!r}) take a {mode.config_type.__name__}, "
+                        f"got {type(config).__name__}")
+    if mode is not W4A16:
+        return fused_moe_fp4(hidden_states, weights, topk_weights, topk_ids, activation=activation,
                              routed_scaling_factor=routed_scaling_factor, input_scale=input_scale, out=out,
-                             num_global_experts=num_global_experts, deterministic=deterministic)  # fmt: skip
+                             config=config, num_global_experts=num_global_experts, deterministic=deterministic)
     if input_scale is not None:
-        raise ValueError("fused_moe_nvfp4: input_scale is the NVFP4 activation scale of act_quant='nvfp4'; "
-                         "the W4A16 path (act_quant='none') takes unquantized activations")
+        raise ValueError("fused_moe_nvfp4: input_scale is the NVFP4 activation scale of the W4A4 weights "
+                         "(FP4MMAWeights, act_quant='nvfp4'); W4A16 weights take unquantized activations")
     validate_moe_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out)
     device = hidden_states.device
     interp = kernels_interpreted()
@@ -131,10 +132,7 @@ def fused_moe_nvfp4(
     dot_f32 = interp or dtype == torch.float32
     dot_dtype = tl.float32 if dot_f32 else _TL_DTYPE[dtype]
     precision = "ieee" if dot_f32 else None
-    act = ACT_SITU if activation == "situ" else ACT_SILU
-    has_lb = activation == "situ" and situ_linear_beta is not None
-    beta = float(situ_beta)
-    lb = float(situ_linear_beta) if has_lb else 1.0
+    beta, lb = activation.kernel_args()
     scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
 
     num_pairs = M * k
@@ -156,7 +154,7 @@ def fused_moe_nvfp4(
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         num_pairs, k, H, I,
         beta, lb,
-        ACT=act, HAS_LINEAR_BETA=has_lb,
+        ACT=activation.kernel_id, HAS_LINEAR_BETA=activation.has_linear_beta,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1, SPLIT_K=config.split_k1,
         SWAP_AB=config.swap_ab, DOT_DTYPE=dot_dtype, PRECISION=precision, USE_ASM=not interp,
         EVEN_K=H % config.block_k1 == 0, SCALE_FMT=weights.scale_format.kernel_id,

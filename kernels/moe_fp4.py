@@ -31,25 +31,22 @@ interpreter decodes E4M3 scales as E8M0.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 
+from .activation import K3_SITU, GatedActivation
 from .interpreter import interpret_requested
-from .moe_details.activation import ACT_SILU, ACT_SITU
 from .moe_details.routing import SMALL_NUM_WARPS, align_routing_triton, max_padded_blocks, small_routing_launch
 from .moe_details.skeleton import arrival_counters, split_k_partials, top_k_buffer
-from .moe_details.weights import NVFP4MoEWeights
 from .moe_fp4_details import kernels as _k
 from .moe_fp4_details.config import FP4MoEConfig
-from .moe_fp4_details.validate import (ACT_QUANT_MODES, input_scale_value, intermediate_is_static,
-                                       intermediate_static_scale, validate_fp4_inputs)
-from .moe_fp4_details.weights import E8M0RecoveryError, FP4MMAWeights
+from .moe_details.validate import validate_moe_inputs
+from .moe_fp4_details.validate import ACT_QUANT_MODES, input_scale_value, intermediate_is_static
+from .moe_fp4_details.weights import FP4_PREPARE_HINT, E8M0RecoveryError, FP4MMAWeights
 from .target import capability, model_device_name, triton_version
 
 __all__ = ["ACT_QUANT_MODES", "E8M0RecoveryError", "FP4MMAWeights", "FP4MoEConfig", "check_fp4_mode_supported",
-           "fused_moe_fp4", "intermediate_static_scale", "prepared_fp4_weights"]
+           "fused_moe_fp4"]
 
 _MODE = {"nvfp4": _k.MODE_NVFP4, "mxfp8": _k.MODE_MXFP8}
 # First Triton release whose dot_scaled decomposition (non-Blackwell GPUs) takes E4M3 block
@@ -88,14 +85,11 @@ def check_fp4_mode_supported(act_quant: str, device: torch.device) -> bool:
 
 def fused_moe_fp4(
     hidden_states: torch.Tensor,
-    weights: FP4MMAWeights | NVFP4MoEWeights,
+    weights: FP4MMAWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    act_quant: str = "nvfp4",
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float | None = 25.0,
+    activation: GatedActivation = K3_SITU,
     routed_scaling_factor: float | None = None,
     input_scale: float | torch.Tensor | None = None,
     intermediate_scale: str = "auto",
@@ -106,24 +100,24 @@ def fused_moe_fp4(
 ) -> torch.Tensor:
     """Routed experts of one MoE layer on the FP4 tensor cores (same contract as fused_moe_nvfp4).
 
-    hidden_states: [M, H] bfloat16 / float16 / float32; weights: FP4MMAWeights (prepare once:
-    FP4MMAWeights.from_nvfp4(w)), or NVFP4MoEWeights (converted once and cached while that
-    object lives: prepared_fp4_weights); H and I must be multiples of 64 (FP4MMAWeights raises
-    ValueError otherwise: whole K tiles for the MMA; W4A16 needs only multiples of 16);
+    hidden_states: [M, H] bfloat16 / float16 / float32; weights: FP4MMAWeights prepared at load
+    for one mode (FP4MMAWeights.from_modelopt / from_mxfp4(..., act_quant=...)), which is the
+    mode this call runs: weights.act_quant "nvfp4" (W4A4) or "mxfp8" (W4A8); H and I must be
+    multiples of 64 (whole K tiles for the MMA; W4A16 needs only multiples of 16);
     topk_weights float32 [M, k]; topk_ids int32/int64 [M, k], ids outside [0, E) contribute
-    nothing. act_quant: "nvfp4" (W4A4) or "mxfp8" (W4A8, needs weights with E8M0 scales).
+    nothing.
     input_scale: static fp32 NVFP4 scale of the GEMM1 activations ("nvfp4" only; e.g. the W4A4
     checkpoint's w13 input_scale, max over experts); None = dynamic per token row.
     intermediate_scale: "auto" (static for situ with linear_beta, else dynamic), "static" or
-    "dynamic" ("nvfp4" only; see the module docstring). out: optional [M, H] in hidden_states'
+    "dynamic" ("nvfp4" only; see the module docstring). activation: a GatedActivation. out: optional [M, H] in hidden_states'
     dtype. config: overrides FP4MoEConfig.heuristic (whose split-K the static model picks for
     this GPU's SM count; num_global_experts, under expert parallelism, sizes it for the local
     share of the pairs). deterministic: the top-k sum in slot order whatever the config (the
     heuristic's prefill configs add atomically). Returns [M, H] in hidden_states' dtype.
     """
-    if isinstance(weights, NVFP4MoEWeights):
-        weights = prepared_fp4_weights(weights, mxfp8=act_quant == "mxfp8")
-    validate_fp4_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out, act_quant)
+    validate_moe_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out, weights_type=FP4MMAWeights,
+                        prepare_hint=FP4_PREPARE_HINT, unit_stride=True)
+    act_quant = weights.act_quant
     device = hidden_states.device
     emulate = check_fp4_mode_supported(act_quant, device)
     mode = _MODE[act_quant]
@@ -138,8 +132,8 @@ def fused_moe_fp4(
         out = torch.empty(M, H, dtype=dtype, device=device)
     if M == 0:
         return out
-    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
-    inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else 1.0
+    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation)
+    inter_s = activation.nvfp4_static_scale if static_inter else 1.0
     in_s = input_scale_value(input_scale, act_quant)
     cfg = config or FP4MoEConfig.heuristic(E, H, I, k, M, act_quant=act_quant, num_global_experts=num_global_experts,
                                            device_name=model_device_name(device))
@@ -171,13 +165,13 @@ def fused_moe_fp4(
     out_f32 = mode == _k.MODE_NVFP4 and not static_inter
     inter_f32 = torch.empty(P, I, dtype=torch.float32, device=device) if out_f32 else iq
     part = split_k_partials(cfg.split_k1, P, I, inter_f32)
-    w13_s = weights.w13_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w13_e8m0, "w13")
-    has_lb = activation == "situ" and situ_linear_beta is not None
+    w13_s = weights.w13_scale if mode == _k.MODE_NVFP4 else weights.w13_e8m0
+    beta, linear_beta = activation.kernel_args()
     _k.fp4_gemm1_kernel[(max_blocks, tiles1, cfg.split_k1)](
         aq, asc, ars, weights.w13, w13_s, weights.w13_scale_2, iq, isc, inter_f32, part, tickets1,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
-        num_pairs, k, H, I, float(situ_beta), float(situ_linear_beta) if has_lb else 1.0, inter_s,
-        MODE=mode, OUT_F32=out_f32, ACT=ACT_SITU if activation == "situ" else ACT_SILU, HAS_LINEAR_BETA=has_lb,
+        num_pairs, k, H, I, beta, linear_beta, inter_s,
+        MODE=mode, OUT_F32=out_f32, ACT=activation.kernel_id, HAS_LINEAR_BETA=activation.has_linear_beta,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SPLIT_K=cfg.split_k1,
         SWAP_AB=cfg.swap_ab, EMULATE=emulate, **launch,
     )
@@ -190,7 +184,7 @@ def fused_moe_fp4(
     # 3. GEMM2 x routing weight, the top-k sum by each token's last arrival, the cast: out.
     atomic = cfg.atomic_reduce and not deterministic
     buf = top_k_buffer(atomic, cfg.split_k2, M, num_pairs, H, device)
-    w2_s = weights.w2_scale if mode == _k.MODE_NVFP4 else _e8m0(weights.w2_e8m0, "w2")
+    w2_s = weights.w2_scale if mode == _k.MODE_NVFP4 else weights.w2_e8m0
     _k.fp4_gemm2_kernel[(max_blocks, tiles2, cfg.split_k2)](
         iq, isc, irs, weights.w2, w2_s, weights.w2_scale_2,
         topk_weights.contiguous(), topk_ids, topk_ids.stride(0), topk_ids.stride(1),
@@ -204,19 +198,6 @@ def fused_moe_fp4(
     return out
 
 
-_PREPARED: dict[int, tuple[weakref.ref, bool, FP4MMAWeights]] = {}
-
-
-def prepared_fp4_weights(weights: NVFP4MoEWeights, *, mxfp8: bool) -> FP4MMAWeights:
-    """FP4MMAWeights of a W4A16 weights object, built on first use and cached for as long as that
-    object lives (the conversion unpacks the kernel layout and, for mxfp8, recovers E8M0)."""
-    hit = _PREPARED.get(id(weights))
-    if hit is not None and hit[0]() is weights and (hit[1] or not mxfp8):
-        return hit[2]
-    prepared = FP4MMAWeights.from_nvfp4(weights, mxfp8=mxfp8)
-    key = id(weights)
-    _PREPARED[key] = (weakref.ref(weights, lambda _r, key=key: _PREPARED.pop(key, None)), mxfp8, prepared)
-    return prepared
 
 
 def _row_block(K: int) -> int:
@@ -237,10 +218,3 @@ def _quant_buffers(mode: int, R: int, K: int, device) -> tuple[torch.Tensor, tor
     return (torch.empty(R, K, dtype=torch.float8_e4m3fn, device=device),
             torch.empty(R, K // 32, dtype=torch.uint8, device=device),
             torch.empty(1, dtype=torch.float32, device=device))
-
-
-def _e8m0(t: torch.Tensor | None, name: str) -> torch.Tensor:
-    if t is None:
-        raise ValueError(f"weights: {name}_e8m0 is missing; act_quant='mxfp8' needs "
-                         "FP4MMAWeights.from_nvfp4(w, mxfp8=True) (exact MXFP4 blocks)")
-    return t

@@ -15,30 +15,28 @@ import torch
 
 from . import act_quant as aq
 from . import formats
-from .moe_details.weights import NVFP4MoEWeights
-from .moe_fp4_details.validate import (input_scale_value, intermediate_is_static, intermediate_static_scale,
-                                       validate_fp4_inputs)
-from .moe_fp4_details.weights import FP4MMAWeights
+from .activation import K3_SITU, GatedActivation
+from .moe_details.validate import validate_moe_inputs
+from .moe_fp4_details.validate import input_scale_value, intermediate_is_static
+from .moe_fp4_details.weights import FP4_PREPARE_HINT, FP4MMAWeights
 from .situ import gated_activation_f32
 
 
 def fused_moe_fp4_reference(
     hidden_states: torch.Tensor,
-    weights: FP4MMAWeights | NVFP4MoEWeights,
+    weights: FP4MMAWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    act_quant: str = "nvfp4",
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float | None = 25.0,
+    activation: GatedActivation = K3_SITU,
     routed_scaling_factor: float | None = None,
     input_scale: float | torch.Tensor | None = None,
     intermediate_scale: str = "auto",
     out: torch.Tensor | None = None,
     config=None,
 ) -> torch.Tensor:
-    """Same contract as :func:`fused_moe_fp4`, in plain torch (``config`` is ignored).
+    """Same contract as :func:`fused_moe_fp4` (the mode is weights.act_quant), in plain torch
+    (``config`` is ignored).
 
     nvfp4: x_q, x_s = quantize_nvfp4_rows(x) (per token); per (token, slot) with expert e:
       gate = (deq(x_q) @ deq(w1)^T) x x_s x scale_2[e, 0], up likewise with scale_2[e, 1];
@@ -48,15 +46,15 @@ def fused_moe_fp4_reference(
     mxfp8: MXFP8 activations and intermediate, MXFP4 weights (E8M0 scales, scale_2 folded in).
     out = (sum over slots in slot order of y) x routed_scaling_factor, cast to x's dtype.
     """
-    if isinstance(weights, NVFP4MoEWeights):
-        weights = FP4MMAWeights.from_nvfp4(weights, mxfp8=act_quant == "mxfp8")
-    validate_fp4_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out, act_quant)
+    validate_moe_inputs(hidden_states, weights, topk_weights, topk_ids, activation, out, weights_type=FP4MMAWeights,
+                        prepare_hint=FP4_PREPARE_HINT, unit_stride=True)
+    act_quant = weights.act_quant  # the mode the weights were prepared for
     M, H = hidden_states.shape
     k = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate_size
     nv = act_quant == "nvfp4"
-    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation, situ_beta, situ_linear_beta)
-    inter_s = intermediate_static_scale(activation, situ_beta, situ_linear_beta) if static_inter else None
+    static_inter = intermediate_is_static(act_quant, intermediate_scale, activation)
+    inter_s = activation.nvfp4_static_scale if static_inter else None
     in_s = input_scale_value(input_scale, act_quant)
     if nv:
         xq, xs, xrs = aq.quantize_nvfp4_rows(hidden_states, in_s)
@@ -82,7 +80,7 @@ def fused_moe_fp4_reference(
             rs = xrs[tok][:, None]
             g = g * rs * weights.w13_scale_2[e, 0]
             u = u * rs * weights.w13_scale_2[e, 1]
-        a = gated_activation_f32(g, u, activation, situ_beta, situ_linear_beta)
+        a = gated_activation_f32(g, u, activation)
         if nv:
             a_q, a_s, a_rs = aq.quantize_nvfp4_rows(a, inter_s)
             y = (aq.dequantize_nvfp4_rows(a_q, a_s, None) @ w2.t()) * a_rs[:, None] * weights.w2_scale_2[e]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import formats
+from .activation import K3_SITU, GatedActivation
 from .moe_details.validate import validate_moe_inputs
 from .moe_details.weights import NVFP4MoEWeights
 from .situ import gated_activation_f32
@@ -16,9 +17,7 @@ def fused_moe_nvfp4_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float | None = 25.0,
+    activation: GatedActivation = K3_SITU,
     routed_scaling_factor: float | None = None,
     out: torch.Tensor | None = None,
     round_gemm1_output: bool = False,
@@ -54,7 +53,7 @@ def fused_moe_nvfp4_reference(
         h = x[tok] @ w13.t()
         if round_gemm1_output:
             h = h.to(dtype).float()
-        a = gated_activation_f32(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta)
+        a = gated_activation_f32(h[:, :I], h[:, I:], activation)
         a = a.to(dtype).float()
         y = a @ w2.t()
         acc.index_add_(0, tok, y * tw[tok, slot][:, None])

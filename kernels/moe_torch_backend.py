@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .activation import K3_SITU, ActivationKind, GatedActivation, as_gated_activation
+
 # E2M1 values by code 0..15: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8..15 are negative.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
 NVFP4_GROUP = 16  # elements per E4M3 weight_scale
 MXFP4_GROUP = 32  # elements per E8M0 weight_scale
 E8M0_NAN_BYTE = 255
-ACTIVATIONS = ("situ", "silu")
 
 
 # --- decode ------------------------------------------------------------------------------------
@@ -180,19 +181,18 @@ Experts = ModelOptNVFP4Experts | MXFP4Experts
 # --- the MoE -----------------------------------------------------------------------------------
 
 
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, beta: float,
-                     linear_beta: float | None) -> torch.Tensor:  # fmt: skip
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: GatedActivation) -> torch.Tensor:
     """fp32 [..., I] x2 -> fp32 [..., I]. situ: beta tanh(g/beta) sigmoid(g) x (linear_beta
-    tanh(u/linear_beta), or u when None); silu: g sigmoid(g) u."""
+    tanh(u/linear_beta), or u when None); silu: g sigmoid(g) u. Written here again (not
+    kernels/situ.py) so that this backend shares no math with what it checks."""
+    act = as_gated_activation(activation)
     g, u = gate.to(torch.float32), up.to(torch.float32)
-    if activation == "situ":
-        g_act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
-        if linear_beta is not None:
-            u = linear_beta * torch.tanh(u / linear_beta)
-    elif activation == "silu":
-        g_act = g * torch.sigmoid(g)
+    if act.kind is ActivationKind.SITU:
+        g_act = act.beta * torch.tanh(g / act.beta) * torch.sigmoid(g)
+        if act.linear_beta is not None:
+            u = act.linear_beta * torch.tanh(u / act.linear_beta)
     else:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        g_act = g * torch.sigmoid(g)
     return g_act * u
 
 
@@ -202,9 +202,7 @@ def moe_forward_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "situ",
-    situ_beta: float = 4.0,
-    situ_linear_beta: float | None = 25.0,
+    activation: GatedActivation = K3_SITU,
     routed_scaling_factor: float | None = None,
 ) -> torch.Tensor:
     """The routed experts' output (see the module docstring for the numerics).
@@ -221,8 +219,7 @@ def moe_forward_reference(
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != M:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)}: "
                          f"expected both [M={M}, K]")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    as_gated_activation(activation)
     dtype, I = hidden_states.dtype, experts.intermediate_size
     x = hidden_states.to(torch.float32)
     ids = topk_ids.to(torch.int64)
@@ -234,7 +231,7 @@ def moe_forward_reference(
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         w13, w2 = experts.dense_expert(e)
         h = x[tok] @ w13.t()
-        a = gated_activation(h[:, :I], h[:, I:], activation, situ_beta, situ_linear_beta).to(dtype)
+        a = gated_activation(h[:, :I], h[:, I:], activation).to(dtype)
         y = a.to(torch.float32) @ w2.t()
         acc.index_add_(0, tok, y * tw[tok, slot][:, None])
     if routed_scaling_factor is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import formats
-from .moe_details.weights import NVFP4MoEWeights
+from .moe_details.weights import ModelOptMoETensors, NVFP4MoEWeights
 
 __all__ = [
     "random_nvfp4_moe_weights",
@@ -122,10 +122,16 @@ def _quantize_pow2_nvfp4(w: torch.Tensor):
 def k3_like_nvfp4_moe_weights(
     E: int, H: int, I: int, *, device: torch.device | str = "cpu", seed: int = 0
 ) -> NVFP4MoEWeights:
-    """E experts, hidden H, intermediate I (positive multiples of 16) with K3's structure:
-    Gaussian weights (std 1/sqrt(fan_in), per-row log-normal spread) quantized with
-    power-of-two E4M3 scales as the bit-exact cast produces them, and one scale_2 shared by
-    gate and up of an expert (w13_scale_2[:, 0] == w13_scale_2[:, 1], what marlin requires)."""
+    """The W4A16 weights of :func:`k3_like_modelopt_tensors` (same arguments), on ``device``."""
+    return NVFP4MoEWeights.from_modelopt(*k3_like_modelopt_tensors(E, H, I, seed=seed)).to(device)
+
+
+def k3_like_modelopt_tensors(E: int, H: int, I: int, *, seed: int = 0) -> ModelOptMoETensors:
+    """E experts, hidden H, intermediate I (positive multiples of 16) with K3's structure, as the
+    ModelOpt checkpoint tensors (CPU): Gaussian weights (std 1/sqrt(fan_in), per-row log-normal
+    spread) quantized with power-of-two E4M3 scales as the bit-exact cast produces them, and one
+    scale_2 shared by gate and up of an expert (w13_scale_2[:, 0] == w13_scale_2[:, 1], what
+    marlin requires)."""
     if H % 16 or I % 16 or min(E, H, I) <= 0:
         raise ValueError(f"hidden ({H}) and intermediate ({I}) must be positive multiples of 16, experts ({E}) > 0")
     g = torch.Generator().manual_seed(seed)
@@ -138,8 +144,7 @@ def k3_like_nvfp4_moe_weights(
         w13q.append(p), w13s.append(s), w13s2.append(torch.stack([s2, s2]))
         p, s, s2 = _quantize_pow2_nvfp4(w2)
         w2q.append(p), w2s.append(s), w2s2.append(s2)
-    w = NVFP4MoEWeights.from_modelopt(*(torch.stack(t) for t in (w13q, w13s, w13s2, w2q, w2s, w2s2)))
-    return w.to(device)
+    return ModelOptMoETensors(*(torch.stack(t) for t in (w13q, w13s, w13s2, w2q, w2s, w2s2)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ import torch
 from ..common.cli import HelpFormatter
 from ..common.files import write_json_atomic
 from ..common.progress import is_terminal, progress_bar
+from .activation import ACTIVATION_NAMES, ActivationKind, GatedActivation
 from .interpreter import kernels_interpreted, rerun_with_interpreter
 from .moe_details.config import (
     CONFIG_DIR_ENV,
@@ -365,7 +366,7 @@ def tune_batch_size(
     x = torch.randn(M, shape.H, generator=torch.Generator(device=device).manual_seed(seed + M), device=device)
     x = x.to(dtype)
     topk_weights, topk_ids = problem_routing(M, shape, device, seed=seed + 7 * M, expert_offset=expert_offset)
-    kw = dict(activation=activation)
+    kw = dict(activation=GatedActivation.parse(activation))
     ref = fused_moe_nvfp4_reference(x, weights, topk_weights, topk_ids, **kw).float()
     out = torch.empty(M, shape.H, dtype=dtype, device=device)
 
@@ -540,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interpret", action="store_true", help="same as --device cpu")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="activation dtype (default bf16 on cuda, fp32 on cpu)")  # fmt: skip
-    p.add_argument("--activation", choices=("situ", "silu"), default="situ", help="gated activation of the tuned calls")
+    p.add_argument("--activation", choices=ACTIVATION_NAMES, default=ActivationKind.SITU.value, help="gated activation of the tuned calls")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs per config (cuda 5, cpu 1)")
     p.add_argument("--iters", type=int, default=None, help="timed runs per config, median taken (cuda 50, cpu 2)")
     p.add_argument("--tol", type=float, default=None,

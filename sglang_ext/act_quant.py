@@ -64,22 +64,21 @@ def where_it_runs(act_quant: str) -> str:
     return f"sm{major}{minor}: tl.dot_scaled decomposed (correct, not the Blackwell fast path)"
 
 
-def kernel_weights_for_mode(weights: Any, act_quant: str, layer_name: str) -> Any:
-    """The weights the kernels take in this mode: NVFP4MoEWeights for none, FP4MMAWeights else
-    (prepared once, at load). ``weights``: NVFP4MoEWeights, or the layer's six ModelOpt tensors
-    (a tuple), which the FP4 modes take as they are (no W4A16 layout in between)."""
-    from k3nvfp4.kernels import NVFP4MoEWeights
+def kernel_weights_for_mode(tensors: Any, act_quant: str, layer_name: str) -> Any:
+    """The weights the kernels take in this mode, prepared once, at load, from the layer's
+    checkpoint tensors (``tensors``: ModelOptMoETensors or MXFP4MoETensors) by the mode itself
+    (kernels/modes.py): NVFP4MoEWeights for none, FP4MMAWeights for nvfp4 / mxfp8. No mode's
+    layout is built on the way to another's."""
+    from k3nvfp4.kernels.modes import kernel_mode
 
-    if act_quant == "none":
-        return weights if isinstance(weights, NVFP4MoEWeights) else NVFP4MoEWeights.from_modelopt(*weights)
-    from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, FP4MMAWeights, check_fp4_mode_supported
+    mode = kernel_mode(act_quant, ENV_ACT_QUANT)
+    if mode.name == "none":
+        return mode.prepare(tensors)
+    from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, check_fp4_mode_supported
 
-    device = weights.device if isinstance(weights, NVFP4MoEWeights) else weights[0].device
-    check_fp4_mode_supported(act_quant, device)  # a clear error at load, not at the first forward
+    check_fp4_mode_supported(act_quant, tensors[0].device)  # a clear error at load, not at the first forward
     try:
-        if isinstance(weights, NVFP4MoEWeights):
-            return FP4MMAWeights.from_nvfp4(weights, mxfp8=act_quant == "mxfp8")
-        return FP4MMAWeights.from_modelopt(*weights, mxfp8=act_quant == "mxfp8")
+        return mode.prepare(tensors)
     except E8M0RecoveryError as err:
         raise ValueError(
             f"{BACKEND_NAME} with {ENV_ACT_QUANT}=mxfp8: layer {layer_name!r}: {err}. Use "

@@ -54,22 +54,23 @@ class TritonSituBackend:
         return weights
 
     def prepare_mxfp4(self, method: Any, layer: Any) -> Any:
-        """Replaces SGLang's MXFP4 post-load processing: NVFP4MoEWeights.from_mxfp4 (bit-exact to
-        the cast's NVFP4 values, no cast written); returns the weights."""
+        """Replaces SGLang's MXFP4 post-load processing: the mode prepares its weights from the
+        layer's MXFP4 tensors (W4A16: bit-exact to the cast's NVFP4 values, no cast written);
+        returns the weights."""
         check_mxfp4_layer_supported(method, layer)
-        weights = set_kernel_weights(layer, layer_mxfp4_weights(layer))
+        weights = set_kernel_weights(layer, layer_mxfp4_tensors(layer))
         free_checkpoint_params(layer, weights, MXFP4_PARAMS)
         log_active_once(layer, weights, source="MXFP4 (E8M0 scales per 32, read directly)")
         return weights
 
     def apply(self, method: Any, layer: Any, dispatch_output: Any) -> Any:
         """The body of ``apply`` (ModelOpt NVFP4 and MXFP4 methods alike)."""
-        from .act_quant import INPUT_SCALE_ATTR
-        from .runner import SUPPORTED_ACTIVATIONS, TritonSituMoeQuantInfo
+        from k3nvfp4.kernels.activation import activation_kind
 
-        activation = method.moe_runner_config.activation
-        if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"{BACKEND_NAME} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}")
+        from .act_quant import INPUT_SCALE_ATTR
+        from .runner import TritonSituMoeQuantInfo
+
+        activation_kind(method.moe_runner_config.activation, f"{BACKEND_NAME}: activation")
         weights = getattr(layer, WEIGHTS_ATTR, None)
         if weights is None:
             raise RuntimeError(
@@ -102,17 +103,19 @@ def check_device_supported() -> None:
         )
 
 
-def layer_modelopt_tensors(layer: Any) -> tuple:
-    """The layer's six loaded ModelOpt tensors (linear block scales), in from_modelopt's order."""
-    return (layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data,
+def layer_modelopt_tensors(layer: Any) -> Any:
+    """The layer's six loaded ModelOpt tensors (linear block scales) as ModelOptMoETensors."""
+    from k3nvfp4.kernels.moe_details.weights import ModelOptMoETensors
+
+    return ModelOptMoETensors(layer.w13_weight.data, layer.w13_weight_scale.data, layer.w13_weight_scale_2.data,
             layer.w2_weight.data, layer.w2_weight_scale.data, layer.w2_weight_scale_2.data)
 
 
-def layer_mxfp4_weights(layer: Any) -> Any:
-    """NVFP4MoEWeights from the layer's loaded MXFP4 tensors (E2M1 nibbles, E8M0 scales per 32)."""
-    from k3nvfp4.kernels import NVFP4MoEWeights
+def layer_mxfp4_tensors(layer: Any) -> Any:
+    """The layer's loaded MXFP4 tensors (E2M1 nibbles, E8M0 scales per 32) as MXFP4MoETensors."""
+    from k3nvfp4.kernels.moe_details.weights import MXFP4MoETensors
 
-    return NVFP4MoEWeights.from_mxfp4(
+    return MXFP4MoETensors(
         layer.w13_weight.data,
         layer.w13_weight_scale.data,
         layer.w2_weight.data,
@@ -120,14 +123,14 @@ def layer_mxfp4_weights(layer: Any) -> Any:
     )
 
 
-def set_kernel_weights(layer: Any, weights: Any) -> Any:
-    """Store on the layer what the kernels take in the K3NVFP4_ACT_QUANT mode (and the static
-    NVFP4 input scale, if asked for); returns the weights stored. ``weights``: NVFP4MoEWeights
-    or the six ModelOpt tensors (act_quant.kernel_weights_for_mode)."""
+def set_kernel_weights(layer: Any, tensors: Any) -> Any:
+    """Prepare from the layer's checkpoint tensors (ModelOptMoETensors or MXFP4MoETensors) what
+    the kernels take in the K3NVFP4_ACT_QUANT mode and store it on the layer (with the static
+    NVFP4 input scale, if asked for); returns the weights stored."""
     from .act_quant import INPUT_SCALE_ATTR, kernel_weights_for_mode, selected_act_quant, static_input_scale
 
     act_quant = selected_act_quant()
-    weights = kernel_weights_for_mode(weights, act_quant, getattr(layer, "layer_name", "?"))
+    weights = kernel_weights_for_mode(tensors, act_quant, getattr(layer, "layer_name", "?"))
     setattr(layer, WEIGHTS_ATTR, weights)
     setattr(layer, INPUT_SCALE_ATTR, static_input_scale(layer, act_quant))
     return weights

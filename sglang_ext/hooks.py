@@ -89,6 +89,8 @@ process_weights_hook = plugin_hook(_process_weights, _selected_backend)
 
 
 def apply_hook(original_fn, self, layer, dispatch_output):
+    from k3nvfp4.kernels.activation import ActivationKind
+
     backend = _selected_backend(self)
     ours = plugin_backend(backend)
     if ours is not None:
@@ -96,7 +98,7 @@ def apply_hook(original_fn, self, layer, dispatch_output):
     if (
         backend is not None
         and backend.is_marlin()
-        and self.moe_runner_config.activation == "situ"
+        and self.moe_runner_config.activation == ActivationKind.SITU
         and not getattr(layer, "_mega_moe_nvfp4", False)
     ):
         # SGLang 0.5.23 asserts the activation before its per-backend dispatch; marlin's own

@@ -17,7 +17,7 @@ from sglang.srt.layers.moe.moe_runner.base import DispatchMoeRunnerCore, MoeQuan
 from sglang.srt.layers.moe.utils import MoeRunnerBackendLike, resolve_moe_runner_backend
 
 from .names import REFERENCE_BACKEND_NAME
-from .runner import check_dispatch, check_runner_config, routed_scaling_factor_for_runner, situ_params_from_config
+from .runner import activation_from_config, check_dispatch, check_runner_config, routed_scaling_factor_for_runner
 
 
 @dataclass
@@ -32,7 +32,7 @@ class TorchReferenceRunnerCore(DispatchMoeRunnerCore):
 
     def __init__(self, config: MoeRunnerConfig):
         super().__init__(config)
-        self.situ = check_runner_config(config, REFERENCE_BACKEND_NAME)  # fail at construction
+        self.activation = check_runner_config(config, REFERENCE_BACKEND_NAME)  # fail at construction
 
     @property
     def runner_backend(self) -> MoeRunnerBackendLike:
@@ -46,10 +46,10 @@ class TorchReferenceRunnerCore(DispatchMoeRunnerCore):
 
         topk_output = check_dispatch(dispatch_output, quant_info, TorchReferenceMoeQuantInfo, hooks,
                                      REFERENCE_BACKEND_NAME)
-        situ = situ_params_from_config(runner_config, REFERENCE_BACKEND_NAME)
+        activation = activation_from_config(runner_config, REFERENCE_BACKEND_NAME)
         out = moe_forward_reference(
             dispatch_output.hidden_states, quant_info.experts, topk_output.topk_weights, topk_output.topk_ids,
-            activation=situ.activation, situ_beta=situ.situ_beta, situ_linear_beta=situ.situ_linear_beta,
+            activation=activation,
             routed_scaling_factor=routed_scaling_factor_for_runner(runner_config))
         return StandardCombineInput(hidden_states=out)
 

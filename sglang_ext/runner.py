@@ -20,56 +20,39 @@ from sglang.srt.layers.moe.moe_runner.base import (
 )
 from sglang.srt.layers.moe.utils import MoeRunnerBackendLike, resolve_moe_runner_backend
 
-from .names import BACKEND_NAME
+from k3nvfp4.kernels.activation import ActivationKind, GatedActivation, activation_kind
 
-SUPPORTED_ACTIVATIONS = ("situ", "silu")
-# SGLang's own default when gemm1_alpha is unset (SituAndMul / moe_forward_native).
-DEFAULT_SITU_BETA = 4.0
+from .names import BACKEND_NAME
 
 
 @dataclass
 class TritonSituMoeQuantInfo(MoeQuantInfo):
     """What the runner needs from the layer: its NVFP4 expert weights (this rank's shard)."""
 
-    weights: Any  # k3nvfp4.kernels.NVFP4MoEWeights, or FP4MMAWeights for the FP4 modes
+    weights: Any  # the mode's prepared weights: k3nvfp4.kernels.NVFP4MoEWeights, or FP4MMAWeights (FP4 modes)
     input_scale: float | None = None  # static NVFP4 activation scale (K3NVFP4_NVFP4_INPUT_SCALE=checkpoint)
 
 
-@dataclass(frozen=True)
-class SituParams:
-    """Activation arguments of ``fused_moe_nvfp4`` derived from SGLang's MoeRunnerConfig."""
-
-    activation: str
-    situ_beta: float
-    situ_linear_beta: float | None
-
-
-def situ_params_from_config(config: MoeRunnerConfig, backend: str = BACKEND_NAME) -> SituParams:
-    """Map MoeRunnerConfig (gemm1_alpha = beta, gemm1_clamp_limit = linear_beta) to kernel args;
-    ``backend`` names the backend in the errors."""
+def activation_from_config(config: MoeRunnerConfig, backend: str = BACKEND_NAME) -> GatedActivation:
+    """The GatedActivation of a MoeRunnerConfig (gemm1_alpha = beta, unset: SGLang's 4.0;
+    gemm1_clamp_limit = linear_beta, unset: no cap); ``backend`` names the backend in the errors."""
     if not config.is_gated:
         raise NotImplementedError(f"{backend} runs gated MoE only (got is_gated=False)")
-    activation = config.activation
-    if activation not in SUPPORTED_ACTIVATIONS:
-        raise ValueError(
-            f"{backend} supports activation {SUPPORTED_ACTIVATIONS}, got {activation!r}"
-        )
+    kind = activation_kind(config.activation, f"{backend}: activation")
     if config.gemm1_beta is not None or config.swiglu_limit is not None:
         raise NotImplementedError(
             f"{backend} does not implement gemm1_beta/swiglu_limit "
             f"(got {config.gemm1_beta=}, {config.swiglu_limit=})"
         )
-    if activation == "silu":
+    if kind is ActivationKind.SILU:
         if config.gemm1_alpha is not None or config.gemm1_clamp_limit is not None:
             # SGLang treats silu + alpha/limit as the GPT-OSS SwiGLU variant.
             raise NotImplementedError(
                 f"{backend} implements plain SiLU-and-mul; SwiGLU with gemm1_alpha/"
                 "gemm1_clamp_limit is not supported"
             )
-        return SituParams("silu", DEFAULT_SITU_BETA, None)
-    beta = DEFAULT_SITU_BETA if config.gemm1_alpha is None else float(config.gemm1_alpha)
-    linear_beta = None if config.gemm1_clamp_limit is None else float(config.gemm1_clamp_limit)
-    return SituParams("situ", beta, linear_beta)
+        return GatedActivation.silu()
+    return GatedActivation.parse(kind.value, config.gemm1_alpha, config.gemm1_clamp_limit)
 
 
 def routed_scaling_factor_for_runner(config: MoeRunnerConfig) -> float | None:
@@ -87,14 +70,14 @@ def routed_scaling_factor_for_runner(config: MoeRunnerConfig) -> float | None:
     return float(factor)
 
 
-def check_runner_config(config: MoeRunnerConfig, backend: str = BACKEND_NAME) -> SituParams:
+def check_runner_config(config: MoeRunnerConfig, backend: str = BACKEND_NAME) -> GatedActivation:
     """What the plugin's runner cores (triton_situ, torch_reference) refuse in a MoeRunnerConfig;
-    returns its SiTU parameters. ``backend`` names the backend in the errors."""
+    returns its activation. ``backend`` names the backend in the errors."""
     if config.apply_router_weight_on_input:
         raise NotImplementedError(f"{backend} does not support apply_router_weight_on_input")
     if config.no_combine:
         raise NotImplementedError(f"{backend} does not support no_combine")
-    return situ_params_from_config(config, backend)
+    return activation_from_config(config, backend)
 
 
 def check_dispatch(dispatch_output: Any, quant_info: Any, info_type: type, hooks: Any,
@@ -119,10 +102,7 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
     def __init__(self, config: MoeRunnerConfig):
         super().__init__(config)
         # Fail at model construction, not at the first forward.
-        self.situ = check_runner_config(config)
-        from .act_quant import selected_act_quant
-
-        self.act_quant = selected_act_quant()
+        self.activation = check_runner_config(config)
 
     @property
     def runner_backend(self) -> MoeRunnerBackendLike:
@@ -141,19 +121,18 @@ class TritonSituRunnerCore(DispatchMoeRunnerCore):
 
         topk_output = check_dispatch(dispatch_output, quant_info, TritonSituMoeQuantInfo, hooks)
         hidden_states = dispatch_output.hidden_states
-        situ = situ_params_from_config(runner_config)
+        activation = activation_from_config(runner_config)
         out = fused_moe_nvfp4(
             hidden_states,
             quant_info.weights,
             topk_output.topk_weights.to(torch.float32),
             topk_output.topk_ids,
-            activation=situ.activation,
-            situ_beta=situ.situ_beta,
-            situ_linear_beta=situ.situ_linear_beta,
+            activation=activation,
             routed_scaling_factor=routed_scaling_factor_for_runner(runner_config),
             # Under EP the ids range over all experts: the launch config is sized for the local pairs.
             num_global_experts=runner_config.num_experts,
-            **({} if self.act_quant == "none" else {"act_quant": self.act_quant, "input_scale": quant_info.input_scale}),
+            # The weights, prepared at load for the K3NVFP4_ACT_QUANT mode, choose the kernels.
+            input_scale=quant_info.input_scale,
         )
         return StandardCombineInput(hidden_states=out)
 

@@ -138,13 +138,13 @@ FP4 = [
 def test_fp4_lanes_stay_finite_over_poisoned_buffers(problem, poison, monkeypatch, act_quant, inter, cfg):
     check_fp4_mode_supported(act_quant, torch.device(DEV))
     w, tw, ids, x = problem
-    fw = FP4MMAWeights.from_nvfp4(w, mxfp8=act_quant == "mxfp8")
+    fw = FP4MMAWeights.from_mxfp4(*random_mxfp4_tensors(E, H, I, seed=5), act_quant=act_quant).to(DEV)  # problem's experts
     # GEMM2's operands: values (packed E2M1 for nvfp4: every code is finite, so not checked),
     # block scales, and the dynamic NVFP4 row scales.
     checked = ("as_ptr",) + (("a_ptr",) if act_quant == "mxfp8" else ()) + (("ars_ptr",) if inter == "dynamic" else ())
     spy = _Gemm2Spy(fp4_kernels.fp4_gemm2_kernel, checked + ("num_padded_ptr",))
     monkeypatch.setattr(fp4_kernels, "fp4_gemm2_kernel", spy)
-    kw = dict(act_quant=act_quant, intermediate_scale=inter, config=cfg)
+    kw = dict(intermediate_scale=inter, config=cfg)
     y = fused_moe_fp4(x, fw, tw, ids, **kw)
     (seen,) = spy.seen
     used = int(seen["num_padded_ptr"][0])

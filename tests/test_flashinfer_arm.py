@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4_reference
+from k3nvfp4.kernels.activation import K3_SITU, GatedActivation
 from k3nvfp4.kernels.moe_fp4_details.weights import E8M0RecoveryError
 from k3nvfp4.sglang_ext.ab import flashinfer_arm as fa
 from k3nvfp4.sglang_ext.ab.layer import LayerABConfig, run_layer_ab
@@ -58,7 +59,7 @@ def fi():
 
 def test_conversion_keeps_every_value_and_puts_up_rows_first():
     raw, w = mxfp4_experts()
-    mx = fa.FlashInferMXFP4.from_nvfp4(w)
+    mx = fa.FlashInferMXFP4.from_modelopt(w.to_modelopt())
     assert (mx.fc1.shape, mx.fc1_e8m0.shape, mx.fc2.shape, mx.fc2_e8m0.shape) == \
         ((E, 2 * I, H // 2), (E, 2 * I, H // 32), (E, H, I // 2), (E, H, I // 32))
     assert {t.dtype for t in (mx.fc1, mx.fc1_e8m0, mx.fc2, mx.fc2_e8m0)} == {torch.uint8}
@@ -84,7 +85,7 @@ def test_conversion_keeps_every_value_and_puts_up_rows_first():
 def test_random_nvfp4_experts_are_not_mxfp4_and_say_why():
     layer = synthetic_layer(2, H, I, top_k=2, seed=0)  # E4M3 block scales with mantissas
     with pytest.raises(E8M0RecoveryError, match=r"w13: .* not exact MXFP4; first at expert 0.*FlashInfer's SM90 W4A16"):
-        fa.FlashInferMXFP4.from_nvfp4(layer.weights)
+        fa.FlashInferMXFP4.from_modelopt(layer.tensors)
 
 
 def test_scale_folding_is_flashinfers_documented_layout(fi):
@@ -92,7 +93,7 @@ def test_scale_folding_is_flashinfers_documented_layout(fi):
     16, 16] where each 64 x 128 block of weights keeps its 64 x 4 scale bytes as 16 rows of 16: byte
     (r, c) of the block at folded row r % 16, column 4 * (r // 16) + c."""
     _, w = mxfp4_experts(1)
-    mx = fa.FlashInferMXFP4.from_nvfp4(w)
+    mx = fa.FlashInferMXFP4.from_modelopt(w.to_modelopt())
     for e8m0, rows, K in ((mx.fc1_e8m0, 2 * I, H), (mx.fc2_e8m0, H, I)):
         f = fa.interleaved_scales(e8m0)
         assert f.shape == (E, rows // 64, K // 128, 16, 16) and f.dtype == torch.uint8 and f.is_contiguous()
@@ -121,12 +122,12 @@ def _flashinfer_semantics(mx, x, tw, ids, beta, linear_beta, swap_halves=False):
 
 def test_flashinfer_semantics_on_the_converted_weights_give_the_reference():
     raw, w = mxfp4_experts(2)
-    mx = fa.FlashInferMXFP4.from_nvfp4(w)
+    mx = fa.FlashInferMXFP4.from_modelopt(w.to_modelopt())
     inp = realistic_routed_inputs(6, H, E, 2, seed=3, dtype=torch.float32)
     ids = inp.topk_ids.clone()
     ids[0, 1] = -1  # a route of another EP rank: skipped by both
-    ref = fused_moe_nvfp4_reference(inp.hidden_states, w, inp.topk_weights, ids, situ_beta=4.0,
-                                    situ_linear_beta=25.0).double()
+    ref = fused_moe_nvfp4_reference(inp.hidden_states, w, inp.topk_weights, ids,
+                                    activation=GatedActivation.situ(4.0, 25.0)).double()
     for swap, ok in ((False, True), (True, False)):
         got = _flashinfer_semantics(mx, inp.hidden_states, inp.topk_weights, ids, 4.0, 25.0, swap_halves=swap)
         rel = float((got - ref).norm() / ref.norm())
@@ -136,10 +137,10 @@ def test_flashinfer_semantics_on_the_converted_weights_give_the_reference():
 @pytest.mark.parametrize("activation", ["situ", "silu"])
 def test_call_arguments_bind_to_the_installed_cutlass_fused_moe(fi, activation):
     _, w = mxfp4_experts(3)
-    mx = fa.FlashInferMXFP4.from_nvfp4(w)
+    mx = fa.FlashInferMXFP4.from_modelopt(w.to_modelopt())
     # On CPU FlashInfer's weight interleave (a CUDA kernel) cannot run: the identity stands in for
     # it here; it keeps shape and dtype (interleave_moe_weights_for_sm90_mixed_gemm: torch.empty_like).
-    p = fa.prepare_sm90(mx, activation, 4.0, 25.0, interleave_weights=lambda t: t.clone())
+    p = fa.prepare_sm90(mx, GatedActivation.parse(activation, 4.0, 25.0), interleave_weights=lambda t: t.clone())
     M, k = 5, 2
     x = torch.randn(M, H).bfloat16()
     tw, ids = torch.rand(M, k, dtype=torch.float32), torch.tensor([[0, 1], [2, -1], [1, 2], [0, 2], [-1, 1]])
@@ -209,14 +210,14 @@ def test_sm100_nvfp4_weights_and_call_arguments(fi):
     from k3nvfp4.kernels import formats
 
     layer = synthetic_layer(E, H, I, top_k=2, seed=4)  # random NVFP4, one scale_2 for gate and up
-    nv = fa.FlashInferNVFP4.from_nvfp4(layer.weights)
+    nv = fa.FlashInferNVFP4.from_modelopt(layer.tensors)
     w13, s13, s13_2, w2, s2, s2_2 = layer.weights.to_modelopt()
     ref13 = formats.dequantize_nvfp4(w13, s13, s13_2[:, 0]).double()
     got13 = formats.dequantize_nvfp4(nv.fc1, nv.fc1_scale, nv.fc1_scale_2).double()
     assert torch.equal(got13, torch.cat([ref13[:, I:], ref13[:, :I]], 1))
     assert torch.equal(nv.fc2, w2) and torch.equal(nv.fc2_scale_2, s2_2)
 
-    p = fa.prepare_sm100(nv, "situ", 4.0, 25.0)
+    p = fa.prepare_sm100(nv, GatedActivation.situ(4.0, 25.0))
     assert p.fc1.dtype == p.fc2.dtype == torch.int64 and p.fc1.shape == (E, 2 * I, H // 16)
     assert p.fc2.shape == (E, H, I // 16) and torch.equal(p.fc1.view(torch.uint8), nv.fc1)
     # The binding's FP4 checks: fc1 scales (E, align(I, 64) * 2, align(H, 64) / 64) int32, fc2 (E, align(H, 128), ...).
@@ -262,25 +263,26 @@ def test_sm100_refuses_gate_and_up_scale_2_that_differ():
 
     w = random_nvfp4_moe_weights(2, H, I, seed=0, distinct_gate_up_scale_2=True)
     with pytest.raises(ValueError, match=r"gate scale_2 != up scale_2; FlashInfer's NVFP4 MoE has one GEMM1 alpha"):
-        fa.FlashInferNVFP4.from_nvfp4(w)
+        fa.FlashInferNVFP4.from_modelopt(w.to_modelopt())
 
 
 @pytest.mark.parametrize("args, why", [
-    ((torch.float16, 256, 128, "situ", 25.0), "takes bf16 activations only, not torch.float16"),
-    ((torch.bfloat16, 3584, 192, "situ", 25.0), "multiples of 128 (the K3 EP shards; not TP16's I = 192): I = 192"),
-    ((torch.bfloat16, 256, 128, "situ", None), "SiTU without linear_beta"),
-    ((torch.bfloat16, 256, 128, "gelu", 25.0), "activation 'gelu'"),
+    ((torch.float16, 256, 128, K3_SITU), "takes bf16 activations only, not torch.float16"),
+    ((torch.bfloat16, 3584, 192, K3_SITU), "multiples of 128 (the K3 EP shards; not TP16's I = 192): I = 192"),
+    ((torch.bfloat16, 256, 128, GatedActivation.situ(4.0, None)), "SiTU without linear_beta"),
 ])
 def test_layers_the_sm90_path_cannot_take(args, why):
     assert why in fa.sm90_layer_reason(*args)
-    assert fa.sm90_layer_reason(torch.bfloat16, 3584, 3072, "situ", 25.0) is None  # the K3 EP16 shard
+    assert fa.sm90_layer_reason(torch.bfloat16, 3584, 3072, K3_SITU) is None  # the K3 EP16 shard
+    with pytest.raises(ValueError, match="got 'gelu'"):  # an activation the kernels lack never gets this far
+        GatedActivation.parse("gelu")
 
 
 def test_layers_the_sm100_path_cannot_take():
-    assert "multiples of 64 here: I = 96" in fa.sm100_layer_reason(torch.bfloat16, 3584, 96, "situ", 25.0)
-    assert "not torch.float32" in fa.sm100_layer_reason(torch.float32, 3584, 192, "situ", 25.0)
+    assert "multiples of 64 here: I = 96" in fa.sm100_layer_reason(torch.bfloat16, 3584, 96, K3_SITU)
+    assert "not torch.float32" in fa.sm100_layer_reason(torch.float32, 3584, 192, K3_SITU)
     for I_shard in (192, 384, 3072):  # K3 TP16, TP8, EP16
-        assert fa.sm100_layer_reason(torch.bfloat16, 3584, I_shard, "situ", 25.0) is None
+        assert fa.sm100_layer_reason(torch.bfloat16, 3584, I_shard, K3_SITU) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")

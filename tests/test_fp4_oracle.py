@@ -17,8 +17,8 @@ import fp4_moe_oracle as oracle
 import fp4_spec as spec
 from k3nvfp4.kernels import act_quant as aq
 from k3nvfp4.kernels import moe_fp4
+from k3nvfp4.kernels.activation import GatedActivation
 from k3nvfp4.kernels.moe_details.routing import small_routing_launch
-from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
 from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights, FP4MoEConfig, fused_moe_fp4
 from k3nvfp4.kernels.moe_fp4_details import kernels as K
 from k3nvfp4.kernels.testing import random_mxfp4_tensors, random_routing
@@ -287,9 +287,10 @@ def test_epilogue_tile_quantizers_equal_oracle(mode, static):
 def test_static_situ_scale_is_the_bound_over_6x448(beta, linear_beta):
     bound = oracle.situ_bound(beta, linear_beta)
     s = oracle.situ_static_scale(beta, linear_beta)
-    assert moe_fp4.intermediate_static_scale("situ", beta, linear_beta) == s
-    assert moe_fp4.intermediate_static_scale("silu", beta, linear_beta) is None
-    assert moe_fp4.intermediate_static_scale("situ", beta, None) is None
+    assert GatedActivation.situ(beta, linear_beta).bound == bound
+    assert GatedActivation.situ(beta, linear_beta).nvfp4_static_scale == s
+    assert GatedActivation.silu().nvfp4_static_scale is None
+    assert GatedActivation.situ(beta, None).nvfp4_static_scale is None
     # the bound holds over a wide grid and is approached (g, u -> +inf), so it is the tight one
     v = np.concatenate([-np.logspace(-8, 4, 400), np.logspace(-8, 4, 400)])
     g, u = np.meshgrid(v, v)
@@ -341,13 +342,13 @@ def _nvfp4_weights(E, H, I, seed):
              w2=g.integers(0, 256, (E, H, I // 2), dtype=np.uint8),
              w2_scale=g.integers(40, 64, (E, H, I // 16), dtype=np.uint8),
              w2_scale_2=(g.uniform(0.02, 0.05, E)).astype(F32))
-    f = FP4MMAWeights.from_modelopt(*(torch.from_numpy(v) for v in t.values()), mxfp8=False).to(DEV)
+    f = FP4MMAWeights.from_modelopt(*(torch.from_numpy(v) for v in t.values()), act_quant="nvfp4").to(DEV)
     return f, oracle.oracle_weights(*t.values())
 
 
 def _mxfp4_weights(E, H, I, seed):
     w13, e13, w2, e2 = random_mxfp4_tensors(E, H, I, seed=seed)
-    f = FP4MMAWeights.from_nvfp4(NVFP4MoEWeights.from_mxfp4(w13, e13, w2, e2)).to(DEV)
+    f = FP4MMAWeights.from_mxfp4(w13, e13, w2, e2, act_quant="mxfp8").to(DEV)
     return f, oracle.oracle_weights(w13.numpy(), None, None, w2.numpy(), None, None, e8m0=(e13.numpy(), e2.numpy()))
 
 
@@ -396,7 +397,7 @@ def test_fused_moe_fp4_matches_float64_oracle(monkeypatch, mode, inter, activati
                        split_k1=1, split_k2=2)
     rec = LaunchRecorder(monkeypatch, ["route_quant_kernel", "fp4_gemm1_kernel", "quant_rows_kernel",
                                        "fp4_gemm2_kernel"])
-    kw = dict(act_quant=mode, activation=activation, situ_beta=beta, situ_linear_beta=lb, routed_scaling_factor=1.5,
+    kw = dict(activation=GatedActivation.parse(activation, beta, lb), routed_scaling_factor=1.5,
               input_scale=in_s, intermediate_scale=inter)
     got = fused_moe_fp4(torch.from_numpy(x).to(DEV), f, tw.to(DEV), ids.to(DEV), config=cfg, **kw)
     got = got.double().cpu().numpy()

@@ -235,12 +235,13 @@ import json, sys, torch
 import k3nvfp4.kernels
 from k3nvfp4.kernels import fused_moe_nvfp4
 from k3nvfp4.kernels.moe_fp4 import fused_moe_fp4
-from k3nvfp4.kernels.testing import k3_like_nvfp4_moe_weights, random_routing
-w = k3_like_nvfp4_moe_weights(4, 64, 64, seed=1)
+from k3nvfp4.kernels.modes import MODES
+from k3nvfp4.kernels.testing import k3_like_modelopt_tensors, random_routing
+t = k3_like_modelopt_tensors(4, 64, 64, seed=1)
 tw, ids = random_routing(3, 2, 4, seed=2)
 x = torch.randn(3, 64) / 8
-a = fused_moe_nvfp4(x, w, tw, ids)
-b = fused_moe_fp4(x, w, tw, ids, act_quant="nvfp4")
+a = fused_moe_nvfp4(x, MODES["none"].prepare(t), tw, ids)
+b = fused_moe_fp4(x, MODES["nvfp4"].prepare(t), tw, ids)
 assert torch.isfinite(a).all() and torch.isfinite(b).all()
 print(json.dumps(sorted(m for m in sys.modules if m.startswith("k3nvfp4"))))
 """

@@ -130,9 +130,9 @@ def _interpreter_runs_fp4() -> bool:
     return target.triton_version() >= moe_fp4._INTERPRETER_MIN_TRITON
 
 
-def _uninitialised_fp4_weights(E: int, H: int, I: int) -> FP4MMAWeights:
+def _uninitialised_fp4_weights(E: int, H: int, I: int, act_quant: str) -> FP4MMAWeights:
     e4m3 = torch.float8_e4m3fn
-    return FP4MMAWeights(
+    return FP4MMAWeights(act_quant=act_quant,
         w13=torch.empty(E, 2 * I, H // 2, dtype=torch.uint8, device=DEV),
         w13_scale=torch.empty(E, 2 * I, H // 16, dtype=e4m3, device=DEV), w13_scale_2=torch.empty(E, 2, device=DEV),
         w2=torch.empty(E, H, I // 2, dtype=torch.uint8, device=DEV),
@@ -148,7 +148,7 @@ def test_fp4_modes_decode_in_three_launches_with_the_heuristic_config(shape):
     if not runnable:
         pytest.skip("; ".join(_fp4_refusal(m) for m in moe_fp4.ACT_QUANT_MODES))
     E, H, I, k = FP4_SHAPES[shape]
-    w = _uninitialised_fp4_weights(E, H, I)
+    ws = {m: _uninitialised_fp4_weights(E, H, I, m) for m in ("nvfp4", "mxfp8")}
     splits = set()
     for M in DECODE_M:
         tw, ids = kimi_routing(M, k, 896, local_experts=range(E), device=DEV)
@@ -159,7 +159,7 @@ def test_fp4_modes_decode_in_three_launches_with_the_heuristic_config(shape):
             if act_quant not in runnable:
                 continue
             with count_launches(execute=False) as c:
-                fused_moe_fp4(x, w, tw, ids, act_quant=act_quant, **kw)
+                fused_moe_fp4(x, ws[act_quant], tw, ids, **kw)
             assert c.triton == names, (shape, M, act_quant, kw, c.summary())
             assert c.torch_ops == [] and c.syncs == [], (shape, M, c.summary())
             assert c.total <= 4
@@ -186,10 +186,10 @@ FP4_SMALL = [
 def test_executed_fp4_calls_launch_what_the_mocked_calls_count(cfg, act_quant, inter, E, k, M, names):
     _require_fp4_mode(act_quant)
     H, I = 128, 128
-    w = FP4MMAWeights.from_nvfp4(NVFP4MoEWeights.from_mxfp4(*random_mxfp4_tensors(E, H, I, seed=M)).to(DEV))
+    w = FP4MMAWeights.from_mxfp4(*random_mxfp4_tensors(E, H, I, seed=M), act_quant=act_quant).to(DEV)
     tw, ids = random_routing(M, k, E, seed=M, device=DEV)
     x = torch.randn(M, H, generator=torch.Generator().manual_seed(M)).to(DEV)
-    kw = dict(act_quant=act_quant, intermediate_scale=inter)
+    kw = dict(intermediate_scale=inter)
     counts = {}
     for execute in (False, True):
         with count_launches(execute=execute) as c:

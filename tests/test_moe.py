@@ -18,6 +18,7 @@ from k3nvfp4.kernels import (
     fused_moe_nvfp4,
     fused_moe_nvfp4_reference,
 )
+from k3nvfp4.kernels.activation import K3_SITU, GatedActivation
 from k3nvfp4.kernels.testing import random_nvfp4_moe_weights, random_routing
 
 # CPU tensors run in the Triton interpreter (conftest sets TRITON_INTERPRET without CUDA); on a
@@ -85,7 +86,7 @@ def test_fused_matches_reference_fp32(E, k, M, H, I, act, lb, cfg):
     w = W(E, H, I, seed=E * 1000 + M)
     tw, ids = R(M, k, E, seed=M + k)
     x = randn(M, H, seed=1)
-    got, ref = run_both(x, w, tw, ids, cfg, activation=act, situ_linear_beta=lb)
+    got, ref = run_both(x, w, tw, ids, cfg, activation=GatedActivation.parse(act, None, lb))
     assert ref.abs().max() > 0.05  # the case exercises non-trivial values
     assert rel_err(got, ref) < FP32_REL
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
@@ -235,7 +236,7 @@ def test_fused_matches_reference_hypothesis(E, k, M, h16, i16, act, lb, cfg, dro
     ids = torch.randint(-1 if drop else 0, E, (M, k), generator=g, dtype=torch.int64).to(DEV)  # repeats allowed
     tw = torch.rand(M, k, generator=g).to(DEV)
     x = torch.randn(M, H, generator=g).to(DEV)
-    got, ref = run_both(x, w, tw, ids, cfg, activation=act, situ_linear_beta=lb)
+    got, ref = run_both(x, w, tw, ids, cfg, activation=GatedActivation.parse(act, None, lb))
     if ref.abs().max() == 0:
         assert torch.equal(got, ref)
     else:
@@ -261,7 +262,7 @@ def test_reference_against_independent_numpy(act, lb):
     tw, ids = random_routing(M, k, E, seed=21)
     ids[1, 0] = -1
     x = torch.randn(M, H, generator=torch.Generator().manual_seed(21))
-    ref = fused_moe_nvfp4_reference(x, w, tw, ids, activation=act, situ_linear_beta=lb, routed_scaling_factor=1.5)
+    ref = fused_moe_nvfp4_reference(x, w, tw, ids, activation=GatedActivation.parse(act, None, lb), routed_scaling_factor=1.5)
 
     w13, s13, s13_2, w2, s2, s2_2 = w.to_modelopt()
     xn = x.double().numpy()
@@ -319,14 +320,14 @@ def _small():
         (lambda a: {**a, "topk_weights": a["topk_weights"][:, :1]}, "top-k mismatch"),
         (lambda a: {**a, "topk_weights": a["topk_weights"].half()}, "topk_weights"),
         (lambda a: {**a, "weights": a["weights"].to_modelopt()}, "weights"),
-        (lambda a: {**a, "activation": "gelu"}, "activation"),
+        (lambda a: {**a, "activation": "situ"}, "activation"),  # a name, not a GatedActivation
         (lambda a: {**a, "out": torch.empty(3, 33, device=DEV)}, "out"),
     ],
 )
 @pytest.mark.parametrize("fn", [fused_moe_nvfp4, fused_moe_nvfp4_reference])
 def test_bad_inputs_name_the_argument(fn, mutate, match):
     x, w, tw, ids = _small()
-    args = mutate({"hidden_states": x, "weights": w, "topk_weights": tw, "topk_ids": ids, "activation": "situ"})
+    args = mutate({"hidden_states": x, "weights": w, "topk_weights": tw, "topk_ids": ids, "activation": K3_SITU})
     with pytest.raises((TypeError, ValueError), match=match):
         fn(args.pop("hidden_states"), args.pop("weights"), args.pop("topk_weights"), args.pop("topk_ids"), **args)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3nvfp4.kernels.activation import GatedActivation
 from k3nvfp4.kernels.situ import gated_activation_f32, silu_and_mul, situ_and_mul
 
 from sglang.srt.layers import activation  # noqa: E402  (sglang is a test dependency; tests only)
@@ -33,7 +34,7 @@ def test_situ_linear_beta_caps_up_branch():
     capped = situ_and_mul(x, 4.0, 25.0)
     uncapped = situ_and_mul(x, 4.0, None)
     # |up| = 100 is softly capped at 25 * tanh(4) ~ 24.98; the gate part is identical
-    gate_part = gated_activation_f32(x[1:2, :80], torch.ones(1, 80), "situ", 4.0, None)
+    gate_part = gated_activation_f32(x[1:2, :80], torch.ones(1, 80), GatedActivation.situ(4.0, None))
     assert torch.allclose(capped[1, 0] / gate_part[0, 0], 25.0 * torch.tanh(torch.tensor(4.0)))
     assert torch.allclose(uncapped[1, 0] / gate_part[0, 0], torch.tensor(100.0))
 

@@ -16,6 +16,7 @@ from k3nvfp4.checkpoint.cli import main as cast_main
 from k3nvfp4.checkpoint.layer import load_moe_layer_nvfp4
 from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
 from k3nvfp4.kernels import formats, fused_moe_nvfp4, fused_moe_nvfp4_reference
+from k3nvfp4.kernels.activation import GatedActivation
 from k3nvfp4.kernels.testing import random_routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +47,7 @@ def test_synthetic_checkpoint_layer_through_fused_moe(tmp_path):
     tw, ids = random_routing(M, k, E, device=DEV, seed=0)
     x = torch.randn(M, H, generator=torch.Generator().manual_seed(0)).to(DEV)
     kw = t.activation_kwargs()
-    assert kw == dict(activation="situ", situ_beta=4.0, situ_linear_beta=25.0, routed_scaling_factor=1.0)
+    assert kw == dict(activation=GatedActivation.situ(4.0, 25.0), routed_scaling_factor=1.0)
     got = fused_moe_nvfp4(x, w, tw, ids, **kw)
     ref = fused_moe_nvfp4_reference(x, w, tw, ids, **kw)
     assert float((got - ref).norm() / ref.norm()) < 2e-5

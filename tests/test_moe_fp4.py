@@ -12,12 +12,15 @@ import torch
 from k3nvfp4.kernels import act_quant as aq
 from k3nvfp4.kernels import formats
 from k3nvfp4.kernels import moe_fp4
+from k3nvfp4.kernels.activation import GatedActivation
 from k3nvfp4.kernels.moe import fused_moe_nvfp4
-from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
+from k3nvfp4.kernels.moe_details.config import MoEConfig
+from k3nvfp4.kernels.moe_details.weights import MXFP4MoETensors, NVFP4MoEWeights
+from k3nvfp4.kernels.moe_fp4_details.weights import cast_mxfp4_moe
 from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, FP4MMAWeights, FP4MoEConfig, fused_moe_fp4
 from k3nvfp4.kernels.moe_fp4_details import kernels as K
 from k3nvfp4.kernels.moe_fp4_reference import fused_moe_fp4_reference
-from k3nvfp4.kernels.testing import k3_like_nvfp4_moe_weights, random_mxfp4_tensors, random_routing
+from k3nvfp4.kernels.testing import k3_like_modelopt_tensors, random_mxfp4_tensors, random_routing
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -123,23 +126,47 @@ def test_mxfp8_quantizer_never_saturates_and_avoids_e8m0_zero():
 
 
 def _mxfp4_weights(E, H, I, seed=0):
-    t = random_mxfp4_tensors(E, H, I, seed=seed)
+    t = MXFP4MoETensors(*random_mxfp4_tensors(E, H, I, seed=seed))
     return t, NVFP4MoEWeights.from_mxfp4(*t).to(DEV)
 
 
+def _fp4_weights(t: MXFP4MoETensors) -> dict:
+    """Each FP4 mode's weights, prepared from the MXFP4 tensors (as the plugin does at load)."""
+    return {m: FP4MMAWeights.from_mxfp4(*t, act_quant=m).to(DEV) for m in ("nvfp4", "mxfp8")}
+
+
+def _same(a: FP4MMAWeights, b: FP4MMAWeights) -> bool:
+    fields = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2", "w13_e8m0", "w2_e8m0")
+    return a.act_quant == b.act_quant and all(
+        (getattr(a, f) is None and getattr(b, f) is None) or torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu())
+        for f in fields)
+
+
 def test_e8m0_recovered_exactly_from_nvfp4():
-    (w13, e13, w2, e2), w = _mxfp4_weights(3, 128, 64)
-    f = FP4MMAWeights.from_nvfp4(w)
-    assert torch.equal(f.w13_e8m0.cpu(), e13) and torch.equal(f.w2_e8m0.cpu(), e2)
-    mo = w.to_modelopt()  # the recovered MXFP4 dequantizes to the NVFP4 values exactly
+    t, _ = _mxfp4_weights(3, 128, 64)
+    mo = cast_mxfp4_moe(*t)  # the closed-form cast's ModelOpt tensors (what k3nvfp4-cast writes)
+    f = FP4MMAWeights.from_modelopt(*mo, act_quant="mxfp8")
+    assert torch.equal(f.w13_e8m0.cpu(), t.w13_e8m0) and torch.equal(f.w2_e8m0.cpu(), t.w2_e8m0)
+    assert f.w13_scale is None and bool((f.w13_scale_2 == 1).all())  # scale_2 folded into E8M0
+    # the recovered MXFP4 dequantizes to the NVFP4 values exactly
     ref13 = formats.dequantize_nvfp4(mo.w13, mo.w13_scale, 1.0) * mo.w13_scale_2[:, :1, None]
     assert torch.equal(formats.dequantize_mxfp4(f.w13, f.w13_e8m0), ref13)
+    # from the release itself and from its cast: the same weights, bit for bit, in both modes
+    assert _same(FP4MMAWeights.from_mxfp4(*t, act_quant="mxfp8"), f)
+    assert _same(FP4MMAWeights.from_mxfp4(*t, act_quant="nvfp4"), FP4MMAWeights.from_modelopt(*mo, act_quant="nvfp4"))
     # NVFP4 quantized natively per 16 (power-of-two scales, but the two halves of a 32-block
     # differ): no E8M0 exists, refused; the nvfp4 mode takes it
-    k3 = k3_like_nvfp4_moe_weights(2, 64, 64, seed=3)
+    k3 = k3_like_modelopt_tensors(2, 64, 64, seed=3)
     with pytest.raises(E8M0RecoveryError, match="w13: .* two 16-block scales that differ"):
-        FP4MMAWeights.from_nvfp4(k3)
-    assert FP4MMAWeights.from_nvfp4(k3, mxfp8=False).w13_e8m0 is None
+        FP4MMAWeights.from_modelopt(*k3, act_quant="mxfp8")
+    assert FP4MMAWeights.from_modelopt(*k3, act_quant="nvfp4").w13_e8m0 is None
+    # an E8M0 byte 255 (NaN), or 0 (Triton reads it as 0) on a block with values, is refused
+    bad = t.w13_e8m0.clone()
+    bad[0, 0, 0] = 0
+    t0 = t.w13.clone()
+    t0[0, 0, :16] = 0x11
+    with pytest.raises(E8M0RecoveryError, match="w13_e8m0: 1 E8M0 byte"):
+        FP4MMAWeights.from_mxfp4(t0, bad, t.w2, t.w2_e8m0, act_quant="mxfp8")
 
 
 def test_e8m0_compiled_recovery_equals_the_torch_path(monkeypatch):
@@ -180,47 +207,50 @@ def test_fp4_modes_refuse_shapes_w4a16_accepts(H, I, named):
     """The FP4 modes' shape rule is multiples of 64 (docs/kernels.md, fused_moe_fp4, FP4MMAWeights):
     shapes that W4A16 takes (multiples of 16) are refused naming the argument that breaks it, when
     the FP4 layout is prepared (directly, or by fused_moe_fp4 on W4A16 weights)."""
-    w = k3_like_nvfp4_moe_weights(2, H, I, seed=5)  # W4A16's own layout accepts them
+    mo = k3_like_modelopt_tensors(2, H, I, seed=5)
+    w = NVFP4MoEWeights.from_modelopt(*mo)  # W4A16's own layout accepts them
     msg = f"FP4MMAWeights: {named} not a multiple of 64: .* W4A16 .* multiples of 16"
-    with pytest.raises(ValueError, match=msg):
-        FP4MMAWeights.from_nvfp4(w, mxfp8=False)
+    for act_quant in ("nvfp4", "mxfp8"):
+        with pytest.raises(ValueError, match=msg):
+            FP4MMAWeights.from_modelopt(*mo, act_quant=act_quant)
+    # the FP4 family takes its own prepared weights only: no conversion of W4A16 weights at call time
     tw, ids = random_routing(2, 2, 2)
-    with pytest.raises(ValueError, match=msg):
-        fused_moe_fp4(torch.zeros(2, H, device=DEV), w, tw.to(DEV), ids.to(DEV), act_quant="nvfp4")
+    with pytest.raises(TypeError, match="weights: expected FP4MMAWeights .* got NVFP4MoEWeights"):
+        fused_moe_fp4(torch.zeros(2, H, device=DEV), w.to(DEV), tw.to(DEV), ids.to(DEV))
 
 
 def test_e8m0_recovery_refuses_non_mxfp4_blocks():
-    (w13, e13, w2, e2), w = _mxfp4_weights(2, 64, 64)
-    mo = [t.cpu().clone() for t in w.to_modelopt()]
-    w13q, w13s, w13s2, w2q, w2s, w2s2 = mo
+    t, _ = _mxfp4_weights(2, 64, 64)
+    e13 = t.w13_e8m0
+    w13q, w13s, w13s2, w2q, w2s, w2s2 = cast_mxfp4_moe(*t)
     # a zero 16-half may carry any scale: accepted, the other half's exponent is used
     z13q, z13s = w13q.clone(), w13s.clone()
     z13q[0, 0, :8] = 0
     z13s[0, 0, 0] = torch.tensor(3.0).to(torch.float8_e4m3fn)
-    got = FP4MMAWeights.from_modelopt(z13q, z13s, w13s2, w2q, w2s, w2s2).w13_e8m0
+    got = FP4MMAWeights.from_modelopt(z13q, z13s, w13s2, w2q, w2s, w2s2, act_quant="mxfp8").w13_e8m0
     assert int(got[0, 0, 0]) == int(e13[0, 0, 0])
     bad = w13s.clone()
     bad[1, 5, 2] = torch.tensor(3.0).to(torch.float8_e4m3fn)  # re-quantized block: not a power of two
     with pytest.raises(E8M0RecoveryError, match=r"w13: 1 block.*expert 1, row 5, 32-block 1.*not a power of two"):
-        FP4MMAWeights.from_modelopt(w13q, bad, w13s2, w2q, w2s, w2s2)
+        FP4MMAWeights.from_modelopt(w13q, bad, w13s2, w2q, w2s, w2s2, act_quant="mxfp8")
     diff = w2s.clone()
     diff[0, 3, 0] = (diff[0, 3, 0].float() * 2).to(torch.float8_e4m3fn)  # the two halves disagree
     w2q_nz = w2q.clone()
     w2q_nz[0, 3, :16] = 0x11
     with pytest.raises(E8M0RecoveryError, match=r"w2: .*expert 0, row 3, 32-block 0.*differ"):
-        FP4MMAWeights.from_modelopt(w13q, w13s, w13s2, w2q_nz, diff, w2s2)
+        FP4MMAWeights.from_modelopt(w13q, w13s, w13s2, w2q_nz, diff, w2s2, act_quant="mxfp8")
     with pytest.raises(E8M0RecoveryError, match=r"w2: weight_scale_2 .* not a power of two"):
-        FP4MMAWeights.from_modelopt(w13q, w13s, w13s2, w2q, w2s, w2s2 * 1.5)
-    # without E8M0 scales the mode is refused with a message, the nvfp4 mode still runs
-    f = FP4MMAWeights.from_modelopt(w13q, w13s, w13s2 * 1.5, w2q, w2s, w2s2, mxfp8=False)
-    x = torch.randn(2, 64)
-    tw, ids = random_routing(2, 2, 2)
-    with pytest.raises(ValueError, match="w13_e8m0 is missing"):
-        fused_moe_fp4(x.to(DEV), f.to(DEV), tw.to(DEV), ids.to(DEV), act_quant="mxfp8")
+        FP4MMAWeights.from_modelopt(w13q, w13s, w13s2, w2q, w2s, w2s2 * 1.5, act_quant="mxfp8")
+    # the nvfp4 mode's weights (no E8M0 scales) cannot be relabelled as the mxfp8 mode's
+    f = FP4MMAWeights.from_modelopt(w13q, w13s, w13s2 * 1.5, w2q, w2s, w2s2, act_quant="nvfp4")
+    with pytest.raises(ValueError, match="act_quant='mxfp8' needs w13_e8m0 and w2_e8m0"):
+        replace(f, act_quant="mxfp8")
 
 
 def _case(E, H, I, M, k, seed, skew=False):
-    _, w = _mxfp4_weights(E, H, I, seed)
+    """(x, the W4A16 weights, {mode: FP4MMAWeights}, topk_weights, topk_ids), every mode's
+    weights prepared from the same MXFP4 tensors."""
+    t, w = _mxfp4_weights(E, H, I, seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, H, generator=g)
     x[0] = 0.0  # all-zero token
@@ -232,7 +262,7 @@ def _case(E, H, I, M, k, seed, skew=False):
     if skew:
         ids[:, 0] = 0  # every token's first slot to expert 0
         ids[3, :] = -1  # a token no local expert serves
-    return x.to(DEV), w, FP4MMAWeights.from_nvfp4(w), tw.to(DEV), ids.to(DEV)
+    return x.to(DEV), w, _fp4_weights(t), tw.to(DEV), ids.to(DEV)
 
 
 def _rel(a, b):
@@ -248,7 +278,8 @@ def test_fused_moe_fp4_matches_reference(act_quant, swap_ab, skew, activation, s
     x, w, f, tw, ids = _case(4, 128, 128, 7, 3, seed=5, skew=skew)
     cfg = FP4MoEConfig(block_m=16, swap_ab=swap_ab, block_n1=64 if swap_ab else 128, block_n2=128, block_k1=64,
                        block_k2=64, split_k1=split_k[0], split_k2=split_k[1], atomic_reduce=atomic)
-    kw = dict(act_quant=act_quant, activation=activation, routed_scaling_factor=1.5)
+    f = f[act_quant]
+    kw = dict(activation=GatedActivation.parse(activation), routed_scaling_factor=1.5)
     got = fused_moe_fp4(x, f, tw, ids, config=cfg, **kw)
     ref = fused_moe_fp4_reference(x, f, tw, ids, **kw)
     # Same quantized activations; fp32 sums of these short K products are exact in any order here
@@ -259,33 +290,37 @@ def test_fused_moe_fp4_matches_reference(act_quant, swap_ab, skew, activation, s
     if atomic:  # deterministic=True: the slot-order sum whatever the config
         det = fused_moe_fp4(x, f, tw, ids, config=cfg, deterministic=True, **kw)
         assert torch.equal(det, fused_moe_fp4(x, f, tw, ids, config=replace(cfg, atomic_reduce=False), **kw))
-    if not swap_ab:  # the W4A16 weights object directly: converted once, cached while it lives
-        assert torch.equal(fused_moe_fp4(x, w, tw, ids, config=cfg, **kw), got)
-        assert moe_fp4.prepared_fp4_weights(w, mxfp8=True) is moe_fp4.prepared_fp4_weights(w, mxfp8=False)
-    w16 = fused_moe_nvfp4(x, w, tw, ids, activation=activation, routed_scaling_factor=1.5)
+    # the one entry point runs the mode the weights were prepared for
+    assert torch.equal(fused_moe_nvfp4(x, f, tw, ids, config=cfg, **kw), got)
+    w16 = fused_moe_nvfp4(x, w, tw, ids, activation=kw["activation"], routed_scaling_factor=1.5)
     # sanity vs W4A16 (measured here: nvfp4 0.028-0.075, mxfp8 0.028-0.063; one NVFP4-quantized
     # N(0, 1) tensor alone is off by 0.095, an MXFP8 one by 0.027)
     assert _rel(got, w16) < (0.15 if act_quant == "nvfp4" else 0.08), _rel(got, w16)
 
 
 def test_nvfp4_static_input_scale_and_dynamic_intermediate():
-    x, w, f, tw, ids = _case(3, 64, 128, 5, 2, seed=9)
+    x, w, fs, tw, ids = _case(3, 64, 128, 5, 2, seed=9)
+    f, fm = fs["nvfp4"], fs["mxfp8"]
     in_s = float(x.abs().max()) / 2688 * 4  # coarser than dynamic: blocks stay in range
     for inter in ("static", "dynamic"):
-        kw = dict(act_quant="nvfp4", input_scale=in_s, intermediate_scale=inter)
+        kw = dict(input_scale=in_s, intermediate_scale=inter)
         got = fused_moe_fp4(x, f, tw, ids, **kw)
         ref = fused_moe_fp4_reference(x, f, tw, ids, **kw)
         assert float((got - ref).abs().max()) <= 1e-6 * float(ref.abs().max())
     with pytest.raises(ValueError, match="no bound"):
-        fused_moe_fp4(x, f, tw, ids, act_quant="nvfp4", activation="silu", intermediate_scale="static")
+        fused_moe_fp4(x, f, tw, ids, activation=GatedActivation.silu(), intermediate_scale="static")
     with pytest.raises(ValueError, match="input_scale: only for act_quant='nvfp4'"):
-        fused_moe_fp4(x, f, tw, ids, act_quant="mxfp8", input_scale=1.0)
+        fused_moe_fp4(x, fm, tw, ids, input_scale=1.0)
     with pytest.raises(ValueError, match="act_quant"):
-        fused_moe_fp4(x, f, tw, ids, act_quant="fp8")
+        FP4MMAWeights.from_mxfp4(*random_mxfp4_tensors(3, 64, 128, seed=9), act_quant="fp8")
+    with pytest.raises(ValueError, match="input_scale is the NVFP4 activation scale of the W4A4 weights"):
+        fused_moe_nvfp4(x, w, tw, ids, input_scale=1.0)
+    with pytest.raises(TypeError, match="config: the W4A4 weights .* take a FP4MoEConfig"):
+        fused_moe_nvfp4(x, f, tw, ids, config=MoEConfig())
     with pytest.raises(ValueError, match="num_global_experts=2 is below the weights' 3 local experts"):
-        fused_moe_fp4(x, f, tw, ids, act_quant="mxfp8", num_global_experts=2)
+        fused_moe_fp4(x, fm, tw, ids, num_global_experts=2)
     # under EP the heuristic sizes the call for the local share of the pairs: it still runs
-    ep = fused_moe_fp4(x, f, tw, ids, act_quant="nvfp4", num_global_experts=48)
+    ep = fused_moe_fp4(x, f, tw, ids, num_global_experts=48)
     assert float((ep - fused_moe_fp4_reference(x, f, tw, ids)).abs().max()) <= 1e-6 * float(ep.abs().max())
 
 
@@ -293,10 +328,10 @@ def test_nvfp4_static_input_scale_and_dynamic_intermediate():
 def test_own_decomposition_equals_tl_dot_scaled(monkeypatch):
     # MXFP8 through tl.dot_scaled (interpreter) and through the EMULATE decomposition that the
     # interpreter uses for NVFP4: the same operand / scale conventions give the same result.
-    x, w, f, tw, ids = _case(3, 64, 64, 6, 2, seed=2)
-    a = fused_moe_fp4(x, f, tw, ids, act_quant="mxfp8")
+    x, w, fs, tw, ids = _case(3, 64, 64, 6, 2, seed=2)
+    a = fused_moe_fp4(x, fs["mxfp8"], tw, ids)
     monkeypatch.setattr(moe_fp4, "check_fp4_mode_supported", lambda mode, device: True)
-    b = fused_moe_fp4(x, f, tw, ids, act_quant="mxfp8")
+    b = fused_moe_fp4(x, fs["mxfp8"], tw, ids)
     assert torch.equal(a, b)
 
 
@@ -333,8 +368,8 @@ def test_e8m0_torch_path_in_expert_chunks_counts_and_names_across_chunks(monkeyp
     from k3nvfp4.kernels.moe_details import layout_host
     from k3nvfp4.kernels.moe_fp4_details import weights as fw
 
-    (w13, e13, w2, e2), w = _mxfp4_weights(4, 64, 64, seed=9)
-    mo = w.to_modelopt()
+    t, _ = _mxfp4_weights(4, 64, 64, seed=9)
+    mo = cast_mxfp4_moe(*t)
     rows13 = mo.w13_scale_2.repeat_interleave(64, dim=1).cpu()
     whole = fw.recover_e8m0(mo.w13.cpu(), mo.w13_scale.cpu(), rows13, "w13")
     monkeypatch.setattr(layout_host, "e8m0_from_pow2_e4m3", lambda *a: None)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import fp4_spec as spec
-from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
 from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights, FP4MoEConfig, check_fp4_mode_supported, fused_moe_fp4
 from k3nvfp4.kernels.moe_fp4_reference import fused_moe_fp4_reference
 from k3nvfp4.kernels.testing import random_routing
@@ -22,13 +21,13 @@ pytestmark = [
 ]
 
 
-def _weights(E, H, I, seed):
+def _weights(E, H, I, seed, act_quant):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, generator=g)
     w2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, generator=g)
     e13 = torch.randint(116, 122, (E, 2 * I, H // 32), dtype=torch.uint8, generator=g)
     e2 = torch.randint(117, 123, (E, H, I // 32), dtype=torch.uint8, generator=g)
-    return FP4MMAWeights.from_nvfp4(NVFP4MoEWeights.from_mxfp4(w13, e13, w2, e2)).to("cuda")
+    return FP4MMAWeights.from_mxfp4(w13, e13, w2, e2).to("cuda")
 
 
 def _supported(act_quant):
@@ -49,10 +48,10 @@ def test_gpu_fp4_modes_match_reference(act_quant, E, H, I, k, M):
     if why is not None:  # the installed Triton cannot: the call must say so, never fall back
         print(f"{act_quant}: not supported here: {why}")
         with pytest.raises(RuntimeError, match="Triton"):
-            fused_moe_fp4(x, f, tw, ids, act_quant=act_quant)
+            fused_moe_fp4(x, f, tw, ids)
         return
-    got = fused_moe_fp4(x, f, tw, ids, act_quant=act_quant)
-    ref = fused_moe_fp4_reference(x, f, tw, ids, act_quant=act_quant)
+    got = fused_moe_fp4(x, f, tw, ids)
+    ref = fused_moe_fp4_reference(x, f, tw, ids)
     err = float((got.double() - ref.double()).norm() / ref.double().norm())
     print(f"{act_quant} E={E} H={H} I={I} M={M}: rel err vs reference {err:.3e}")
     assert err < 1e-2  # bf16 output rounding (2^-9) plus rare intermediate-rounding flips
@@ -74,13 +73,13 @@ def test_gpu_fp4_split_k_and_atomic_top_k_match_reference(act_quant, cfg, M):
     f = _weights(E, H, I, seed=11)
     tw, ids = random_routing(M, k, E, device="cuda", seed=M)
     x = torch.randn(M, H, device="cuda").to(torch.bfloat16)
-    got = fused_moe_fp4(x, f, tw, ids, act_quant=act_quant, config=cfg)
-    ref = fused_moe_fp4_reference(x, f, tw, ids, act_quant=act_quant)
+    got = fused_moe_fp4(x, f, tw, ids, config=cfg)
+    ref = fused_moe_fp4_reference(x, f, tw, ids)
     err = float((got.double() - ref.double()).norm() / ref.double().norm())
     print(f"{act_quant} {cfg.label()} M={M}: rel err vs reference {err:.3e}")
     assert err < 1e-2
     if not cfg.atomic_reduce:  # slot-order sums: bitwise reproducible run to run
-        assert torch.equal(got, fused_moe_fp4(x, f, tw, ids, act_quant=act_quant, config=cfg))
+        assert torch.equal(got, fused_moe_fp4(x, f, tw, ids, config=cfg))
 
 
 @pytest.mark.parametrize("act_quant", ["nvfp4", "mxfp8"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from k3nvfp4.kernels import MoEConfig, fused_moe_nvfp4, fused_moe_nvfp4_reference
+from k3nvfp4.kernels.activation import GatedActivation
 from k3nvfp4.kernels.testing import random_nvfp4_moe_weights, random_routing
 
 pytestmark = [
@@ -36,8 +37,9 @@ def test_gpu_matches_reference(E, H, I, k, M, n_global, dtype, activation):
     w = random_nvfp4_moe_weights(E, H, I, device="cuda", seed=E + M)
     tw, ids = random_routing(M, k, E, device="cuda", seed=M, num_global_experts=n_global)
     x = torch.randn(M, H, device="cuda").to(dtype)
-    got = fused_moe_nvfp4(x, w, tw, ids, activation=activation)
-    ref = fused_moe_nvfp4_reference(x, w, tw, ids, activation=activation)
+    act = GatedActivation.parse(activation)
+    got = fused_moe_nvfp4(x, w, tw, ids, activation=act)
+    ref = fused_moe_nvfp4_reference(x, w, tw, ids, activation=act)
     assert rel_err(got, ref) < (2e-5 if dtype == torch.float32 else 1e-2)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from k3nvfp4.kernels import moe_torch_backend as ref
+from k3nvfp4.kernels.activation import GatedActivation
 
 E, H, I, M, K = 6, 64, 64, 9, 3
 # max |out - sglang| / max |sglang|. fp32: both sides are fp32 dots over <= 64 terms, orders
@@ -121,7 +122,7 @@ def test_whole_call_matches_sglang_moe_forward_native(layout, dtype):
     x = (torch.randn(M, H, generator=g) * 0.5).to(dtype)
     tw, ids = _routing(g)
     for beta, linear_beta in ((4.0, 25.0), (1.5, 0.75)):  # the second: the up cap bites
-        out = ref.moe_forward_reference(x, experts, tw, ids, situ_beta=beta, situ_linear_beta=linear_beta)
+        out = ref.moe_forward_reference(x, experts, tw, ids, activation=GatedActivation.situ(beta, linear_beta))
         want = _sglang(w13, w2, x, tw, ids, beta, linear_beta)
         assert out.dtype == dtype and out.shape == (M, H)
         assert _rel(out, want) < TOL[dtype], (layout, dtype, beta, _rel(out, want))
@@ -153,10 +154,10 @@ def test_scale_2_applied_before_the_activation_by_hand():
     a = beta * math.tanh(1.5 / beta) / (1 + math.exp(-1.5)) * (linear_beta * math.tanh(0.5 / linear_beta))
     a = float(np.float32(a))  # the intermediate is rounded to x's dtype (fp32 here)
     out = ref.moe_forward_reference(x, experts, torch.tensor([[0.7]]), torch.tensor([[1]]),
-                                    situ_beta=beta, situ_linear_beta=linear_beta, routed_scaling_factor=1.5)
+                                    activation=GatedActivation.situ(beta, linear_beta), routed_scaling_factor=1.5)
     np.testing.assert_allclose(out.numpy(), np.full((1, h), 0.7 * 1.5 * 16 * 2 * a), rtol=1e-6)
     # silu: g sigmoid(g) u
-    out = ref.moe_forward_reference(x, experts, torch.tensor([[1.0]]), torch.tensor([[1]]), activation="silu")
+    out = ref.moe_forward_reference(x, experts, torch.tensor([[1.0]]), torch.tensor([[1]]), activation=GatedActivation.silu())
     np.testing.assert_allclose(out.numpy(), np.full((1, h), 32 * 1.5 / (1 + math.exp(-1.5)) * 0.5), rtol=1e-6)
 
 

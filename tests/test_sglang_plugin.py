@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 import torch
 
+from k3nvfp4.kernels.activation import ActivationKind, GatedActivation
+
 PLUGIN = "k3nvfp4"
 BACKEND = "triton_situ"
 MOE_LAYER = 1  # layer 0 of a K3 checkpoint is the dense MLP
@@ -425,8 +427,7 @@ def test_layer_uses_plugin_runner(single_rank_run):
     assert type(layer.quant_method).__name__ == "ModelOptNvFp4FusedMoEMethod"
     assert layer.runner_backend.value == BACKEND
     assert isinstance(layer.runner.runner_core, TritonSituRunnerCore)
-    assert layer.runner.runner_core.situ.situ_beta == 4.0
-    assert layer.runner.runner_core.situ.situ_linear_beta == 25.0
+    assert layer.runner.runner_core.activation == GatedActivation.situ(4.0, 25.0)
 
 
 def test_loaded_tensors_match_checkpoint(single_rank_run):
@@ -549,24 +550,19 @@ def test_silu_layer_matches_sglang_native_reference(one_rank, nvfp4_checkpoint):
 def test_runner_maps_sglang_config(one_rank):
     from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
 
-    from k3nvfp4.sglang_ext.runner import (
-        SituParams,
-        make_runner_core,
-        routed_scaling_factor_for_runner,
-        situ_params_from_config,
-    )
+    from k3nvfp4.sglang_ext.runner import activation_from_config, make_runner_core, routed_scaling_factor_for_runner
 
-    assert situ_params_from_config(MoeRunnerConfig(activation="situ", gemm1_alpha=3.0, gemm1_clamp_limit=20.0)) == \
-        SituParams("situ", 3.0, 20.0)
+    assert activation_from_config(MoeRunnerConfig(activation="situ", gemm1_alpha=3.0, gemm1_clamp_limit=20.0)) == \
+        GatedActivation(ActivationKind.SITU, 3.0, 20.0)
     # gemm1_alpha None means beta 4.0, as in SGLang's moe_forward_native; no clamp -> no cap.
-    assert situ_params_from_config(MoeRunnerConfig(activation="situ")) == SituParams("situ", 4.0, None)
-    assert situ_params_from_config(MoeRunnerConfig(activation="silu")).activation == "silu"
+    assert activation_from_config(MoeRunnerConfig(activation="situ")) == GatedActivation(ActivationKind.SITU, 4.0, None)
+    assert activation_from_config(MoeRunnerConfig(activation="silu")).kind is ActivationKind.SILU
     with pytest.raises(NotImplementedError, match="SwiGLU"):
-        situ_params_from_config(MoeRunnerConfig(activation="silu", gemm1_alpha=1.702, gemm1_clamp_limit=7.0))
+        activation_from_config(MoeRunnerConfig(activation="silu", gemm1_alpha=1.702, gemm1_clamp_limit=7.0))
     with pytest.raises(ValueError, match="got 'gelu'"):
-        situ_params_from_config(MoeRunnerConfig(activation="gelu"))
+        activation_from_config(MoeRunnerConfig(activation="gelu"))
     with pytest.raises(NotImplementedError, match="gated"):
-        situ_params_from_config(MoeRunnerConfig(activation="silu", is_gated=False))
+        activation_from_config(MoeRunnerConfig(activation="silu", is_gated=False))
     # TopK folds routed_scaling_factor into the weights for ModelOpt NVFP4 layers off marlin.
     fused = types.SimpleNamespace(should_fuse_routed_scaling_factor_in_topk=True)
     assert routed_scaling_factor_for_runner(MoeRunnerConfig(routed_scaling_factor=2.5, layer=fused)) is None

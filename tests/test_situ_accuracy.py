@@ -169,10 +169,10 @@ def test_fp4_modes_keep_small_inputs(problem, act_quant, inter, log2_scale):
     input scales their block scales follow the input exactly, and the same-quantization
     reference (torch.tanh, which does not cancel) is the oracle. NVFP4's static intermediate
     scale flushes intermediates this small to zero by design, hence its dynamic scale here."""
-    _, w, tw, ids, x = problem
-    fw = FP4MMAWeights.from_nvfp4(w, mxfp8=act_quant == "mxfp8")
+    t, _, tw, ids, x = problem
+    fw = FP4MMAWeights.from_mxfp4(*t, act_quant=act_quant).to(DEV)
     xs, tw, ids = (x * 2.0**log2_scale).to(DEV), tw.to(DEV), ids.to(DEV)
-    kw = dict(act_quant=act_quant, intermediate_scale=inter)
+    kw = dict(intermediate_scale=inter)
     y = fused_moe_fp4(xs, fw, tw, ids, **kw).double().cpu()
     ref = fused_moe_fp4_reference(xs, fw, tw, ids, **kw).double().cpu()
     rel = float(torch.linalg.norm(y - ref) / torch.linalg.norm(ref))

@@ -13,8 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ACT_SITU = 0
-ACT_SILU = 1
+from ..activation import ACT_SILU, ACT_SITU  # noqa: F401 - the ids gated_act's ACT takes (0, 1)
 
 # tanh(x) = x + x^3 P(x^2) on |x| < 0.75: P's coefficients (fp32, lowest power first), a minimax
 # fit of the relative error (bench/tanh_fit.py: 3.2e-8 in float64, <= 1.9 x 2^-24 evaluated in

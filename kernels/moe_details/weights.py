@@ -25,6 +25,15 @@ class ModelOptMoETensors(NamedTuple):
     w2_scale_2: torch.Tensor  # float32 [E]
 
 
+class MXFP4MoETensors(NamedTuple):
+    """The MXFP4 release's MoE tensors of one layer (compressed-tensors, as SGLang loads them)."""
+
+    w13: torch.Tensor  # uint8 [E, 2I, H/2] E2M1 nibbles, w1 rows then w3 rows, low nibble = even element
+    w13_e8m0: torch.Tensor  # uint8 [E, 2I, H/32] E8M0 scale per 32
+    w2: torch.Tensor  # uint8 [E, H, I/2]
+    w2_e8m0: torch.Tensor  # uint8 [E, H, I/32]
+
+
 def _check(t: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

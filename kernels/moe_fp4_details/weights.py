@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import formats
+from ..cast import MXFP4Weight, cast_expert
 from ..moe_details import layout_host
-from ..moe_details.weights import ExpertWeights, NVFP4MoEWeights, gate_up_scale_2, validate_modelopt
+from ..moe_details.weights import ExpertWeights, ModelOptMoETensors, gate_up_scale_2, validate_modelopt
 
 
 # H and I of the FP4 modes: whole 64-wide K tiles for tl.dot_scaled (GEMM1 runs K = H, GEMM2 K = I)
@@ -112,39 +113,47 @@ def _recover_chunk(packed: torch.Tensor, scale: torch.Tensor, m: torch.Tensor
     return out, int(bad.sum()), first
 
 
+FP4_ACT_QUANT_MODES = ("nvfp4", "mxfp8")
+FP4_PREPARE_HINT = "FP4MMAWeights.from_modelopt / from_mxfp4(..., act_quant=...)"
+
+
 @dataclass(frozen=True)
 class FP4MMAWeights(ExpertWeights):
-    """Routed-expert weights of one layer for the block-scaled MMA kernels.
+    """Routed-expert weights of one layer for the block-scaled MMA kernels, prepared for ONE mode
+    (``act_quant``): the mode a call runs is the one its weights were prepared for.
 
       w13          uint8 [E, 2I, H/2]     gate (w1) rows then up (w3) rows, E2M1 nibbles
-      w13_scale    float8_e4m3fn [E, 2I, H/16]
-      w13_scale_2  float32 [E, 2]         (gate, up)
+      w13_scale    float8_e4m3fn [E, 2I, H/16]   ("nvfp4"; None for "mxfp8")
+      w13_scale_2  float32 [E, 2]         (gate, up); all 1 for "mxfp8" (folded into the E8M0 scales)
       w2           uint8 [E, H, I/2]
-      w2_scale     float8_e4m3fn [E, H, I/16]
-      w2_scale_2   float32 [E]
-      w13_e8m0     uint8 [E, 2I, H/32] or None (scale_2 folded in; act_quant="mxfp8" only)
-      w2_e8m0      uint8 [E, H, I/32] or None
+      w2_scale     float8_e4m3fn [E, H, I/16]    ("nvfp4"; None for "mxfp8")
+      w2_scale_2   float32 [E]            all 1 for "mxfp8"
+      w13_e8m0     uint8 [E, 2I, H/32]    ("mxfp8"; None for "nvfp4"), scale_2 folded in
+      w2_e8m0      uint8 [E, H, I/32]     ("mxfp8"; None for "nvfp4")
+      act_quant    "nvfp4" (W4A4: NVFP4 activations) or "mxfp8" (W4A8: MXFP8 activations)
     H and I must be multiples of 64 (whole K tiles for the MMA, no masks on the K loop).
     """
 
     w13: torch.Tensor
-    w13_scale: torch.Tensor
+    w13_scale: torch.Tensor | None
     w13_scale_2: torch.Tensor
     w2: torch.Tensor
-    w2_scale: torch.Tensor
+    w2_scale: torch.Tensor | None
     w2_scale_2: torch.Tensor
     w13_e8m0: torch.Tensor | None
     w2_e8m0: torch.Tensor | None
     hidden_size: int
     intermediate_size: int
+    act_quant: str = "nvfp4"
 
-    @classmethod
-    def from_nvfp4(cls, weights: NVFP4MoEWeights, *, mxfp8: bool = True) -> "FP4MMAWeights":
-        """From the W4A16 weights (bit-exact ModelOpt tensors via to_modelopt()). mxfp8=True also
-        recovers the E8M0 scales (raises E8M0RecoveryError when the matrices are not exact MXFP4)."""
-        if not isinstance(weights, NVFP4MoEWeights):
-            raise TypeError(f"weights: expected NVFP4MoEWeights, got {type(weights).__name__}")
-        return cls.from_modelopt(*weights.to_modelopt(), mxfp8=mxfp8)
+    def __post_init__(self) -> None:
+        if self.act_quant not in FP4_ACT_QUANT_MODES:
+            raise ValueError(f"FP4MMAWeights.act_quant: expected one of {FP4_ACT_QUANT_MODES}, got {self.act_quant!r}")
+        need = ("w13_scale", "w2_scale") if self.act_quant == "nvfp4" else ("w13_e8m0", "w2_e8m0")
+        missing = [n for n in need if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"FP4MMAWeights: act_quant={self.act_quant!r} needs {' and '.join(missing)}; prepare "
+                             "the weights with FP4MMAWeights.from_modelopt / from_mxfp4(..., act_quant=...)")
 
     @classmethod
     def from_modelopt(
@@ -156,34 +165,64 @@ class FP4MMAWeights(ExpertWeights):
         w2_scale: torch.Tensor,
         w2_scale_2: torch.Tensor,
         *,
-        mxfp8: bool = True,
+        act_quant: str,
     ) -> "FP4MMAWeights":
-        """SGLang's ModelOpt NVFP4 MoE tensors (shapes as NVFP4MoEWeights.from_modelopt; scales
-        float8_e4m3fn or their uint8 bits, w13_scale_2 [E, 2] or [E]). Validated through
-        NVFP4MoEWeights' checks; the inputs are not modified. H and I must be multiples of 64
-        (FP4_SHAPE_MULTIPLE): ValueError naming the one that is not, otherwise."""
+        """The weights of mode ``act_quant`` from SGLang's ModelOpt NVFP4 MoE tensors (shapes as
+        NVFP4MoEWeights.from_modelopt; scales float8_e4m3fn or their uint8 bits, w13_scale_2 [E, 2]
+        or [E]); the inputs are not modified. "nvfp4" keeps the tensors as they are; "mxfp8"
+        recovers the E8M0 scales per 32 (E8M0RecoveryError when the matrices are not exact MXFP4).
+        H and I must be multiples of 64 (FP4_SHAPE_MULTIPLE): ValueError naming the one that is not."""
+        _check_mode(act_quant)
         E, I, H = validate_modelopt(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
-        sizes = (("hidden size H", H), ("intermediate size I", I))
-        bad = [f"{name} = {v}" for name, v in sizes if v % FP4_SHAPE_MULTIPLE]
-        if bad:
-            raise ValueError(
-                f"FP4MMAWeights: {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a multiple of "
-                f"{FP4_SHAPE_MULTIPLE}: the FP4 tensor-core "
-                f"modes (act_quant 'nvfp4' / 'mxfp8') need H and I multiples of {FP4_SHAPE_MULTIPLE} (whole "
-                f"{FP4_SHAPE_MULTIPLE}-wide K tiles of the block-scaled MMA, no masks on the K loop); W4A16 "
-                "(act_quant 'none') takes multiples of 16"
-            )
+        _check_fp4_shape(H, I)
         w13_scale = w13_scale.view(torch.float8_e4m3fn) if w13_scale.dtype == torch.uint8 else w13_scale
         w2_scale = w2_scale.view(torch.float8_e4m3fn) if w2_scale.dtype == torch.uint8 else w2_scale
         s13 = gate_up_scale_2(w13_scale_2, E).float()
         s2 = w2_scale_2.reshape(E).float().contiguous()
-        e13 = e2 = None
-        if mxfp8:
-            rows13 = torch.cat([s13[:, :1].expand(E, I), s13[:, 1:].expand(E, I)], dim=1)
-            e13 = recover_e8m0(w13, w13_scale, rows13, "w13")
-            e2 = recover_e8m0(w2, w2_scale, s2[:, None].expand(E, H), "w2")
-        return cls(w13.contiguous(), w13_scale.contiguous(), s13, w2.contiguous(), w2_scale.contiguous(), s2,
-                   e13, e2, H, I)
+        if act_quant == "nvfp4":
+            return cls(w13.contiguous(), w13_scale.contiguous(), s13, w2.contiguous(), w2_scale.contiguous(), s2,
+                       None, None, H, I, act_quant)
+        rows13 = torch.cat([s13[:, :1].expand(E, I), s13[:, 1:].expand(E, I)], dim=1)
+        e13 = recover_e8m0(w13, w13_scale, rows13, "w13")
+        e2 = recover_e8m0(w2, w2_scale, s2[:, None].expand(E, H), "w2")
+        return cls._mxfp8(w13, e13, w2, e2, H, I)
+
+    @classmethod
+    def from_mxfp4(
+        cls,
+        w13: torch.Tensor,
+        w13_e8m0: torch.Tensor,
+        w2: torch.Tensor,
+        w2_e8m0: torch.Tensor,
+        *,
+        act_quant: str,
+    ) -> "FP4MMAWeights":
+        """The weights of mode ``act_quant`` from the MXFP4 release's tensors (MXFP4MoETensors'
+        shapes: E2M1 nibbles uint8, E8M0 bytes uint8 per 32). "mxfp8" takes them as they are (the
+        kernels' MXFP4 operands); "nvfp4" runs the closed-form cast (kernels/cast.py, what
+        k3nvfp4-cast writes: scale_2 per expert and matrix, E4M3 scales per 16) and keeps its tensors."""
+        _check_mode(act_quant)
+        _check_mxfp4(w13, w13_e8m0, w2, w2_e8m0)
+        E, two_i, half_h = w13.shape
+        I, H = two_i // 2, half_h * 2
+        _check_fp4_shape(H, I)
+        if act_quant == "mxfp8":
+            for name, packed, t in (("w13_e8m0", w13, w13_e8m0), ("w2_e8m0", w2, w2_e8m0)):
+                used = (packed.reshape(*t.shape, 16) & 0x77).amax(-1) != 0  # blocks with a non-zero value
+                bad = int((t == formats.E8M0_NAN).sum()) + int(((t == 0) & used).sum())
+                if bad:
+                    raise E8M0RecoveryError(f"{name}: {bad} E8M0 byte(s) are 255 (NaN), or 0 on a non-zero block; "
+                                            "act_quant='mxfp8' takes E8M0 in [1, 254] (Triton decodes 0 as 0)")
+            return cls._mxfp8(w13, w13_e8m0, w2, w2_e8m0, H, I)
+        return cls.from_modelopt(*cast_mxfp4_moe(w13, w13_e8m0, w2, w2_e8m0), act_quant="nvfp4")
+
+    @classmethod
+    def _mxfp8(cls, w13, e13, w2, e2, H: int, I: int) -> "FP4MMAWeights":
+        E, dev = w13.shape[0], w13.device
+        ones13 = torch.ones(E, 2, dtype=torch.float32, device=dev)
+        ones2 = torch.ones(E, dtype=torch.float32, device=dev)
+        return cls(w13.contiguous(), None, ones13, w2.contiguous(), None, ones2, e13.contiguous(), e2.contiguous(),
+                   H, I, "mxfp8")
 
     def to(self, device) -> "FP4MMAWeights":
         import dataclasses
@@ -192,3 +231,55 @@ class FP4MMAWeights(ExpertWeights):
             f: (getattr(self, f).to(device) if getattr(self, f) is not None else None)
             for f in ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2", "w13_e8m0", "w2_e8m0")
         })
+
+
+def _check_mode(act_quant: str) -> None:
+    if act_quant not in FP4_ACT_QUANT_MODES:
+        raise ValueError(f"act_quant: expected one of {FP4_ACT_QUANT_MODES}, got {act_quant!r}")
+
+
+def _check_fp4_shape(H: int, I: int) -> None:
+    sizes = (("hidden size H", H), ("intermediate size I", I))
+    bad = [f"{name} = {v}" for name, v in sizes if v % FP4_SHAPE_MULTIPLE]
+    if bad:
+        raise ValueError(
+            f"FP4MMAWeights: {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not a multiple of "
+            f"{FP4_SHAPE_MULTIPLE}: the FP4 tensor-core "
+            f"modes (act_quant 'nvfp4' / 'mxfp8') need H and I multiples of {FP4_SHAPE_MULTIPLE} (whole "
+            f"{FP4_SHAPE_MULTIPLE}-wide K tiles of the block-scaled MMA, no masks on the K loop); W4A16 "
+            "(act_quant 'none') takes multiples of 16"
+        )
+
+
+def _check_mxfp4(w13, w13_e8m0, w2, w2_e8m0) -> None:
+    for name, t in (("w13", w13), ("w13_e8m0", w13_e8m0), ("w2", w2), ("w2_e8m0", w2_e8m0)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 3:
+            raise TypeError(f"{name}: expected a uint8 tensor with 3 dims, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    E, two_i, half_h = w13.shape
+    I, H = two_i // 2, half_h * 2
+    for name, t, shape in (("w13_e8m0", w13_e8m0, (E, 2 * I, H // 32)), ("w2", w2, (E, H, I // 2)),
+                           ("w2_e8m0", w2_e8m0, (E, H, I // 32))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+
+def cast_mxfp4_moe(w13: torch.Tensor, w13_e8m0: torch.Tensor, w2: torch.Tensor, w2_e8m0: torch.Tensor,
+                   *, backend: str = "auto") -> ModelOptMoETensors:
+    """The closed-form cast (kernels.cast.cast_expert, what k3nvfp4-cast writes) of one layer's
+    MXFP4 experts (MXFP4MoETensors' shapes) as ModelOpt tensors: w1 and w3 of an expert share
+    scale_2 (w13_scale_2 [E, 2] holds it twice), w2 its own."""
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    casts = [cast_expert(MXFP4Weight(w13[e, :I], w13_e8m0[e, :I], f"expert {e} w1"),
+                         MXFP4Weight(w13[e, I:], w13_e8m0[e, I:], f"expert {e} w3"),
+                         MXFP4Weight(w2[e], w2_e8m0[e], f"expert {e} w2"), backend=backend)
+             for e in range(E)]  # fmt: skip
+    return ModelOptMoETensors(
+        torch.stack([torch.cat([c[0].packed, c[1].packed]) for c in casts]),
+        torch.stack([torch.cat([c[0].scale, c[1].scale]) for c in casts]),
+        torch.stack([torch.stack([c[0].scale_2, c[1].scale_2]) for c in casts]).to(torch.float32),
+        torch.stack([c[2].packed for c in casts]),
+        torch.stack([c[2].scale for c in casts]),
+        torch.stack([c[2].scale_2 for c in casts]).reshape(-1).to(torch.float32),
+    )

@@ -9,10 +9,12 @@ runs by default; a new arm is a builder and one line there.
                layer's weights: the NVFP4 checkpoint's, or the MXFP4 release's read directly
 - triton_situ_cast: (MXFP4 layers only) the same kernels on the closed-form cast of those experts,
                i.e. what serving the k3nvfp4-cast checkpoint computes
-- triton_situ:nvfp4 / triton_situ:mxfp8: the FP4 tensor-core modes (fused_moe_nvfp4(act_quant=...):
-               W4A4 NVFP4 activations / W4A8 MXFP8 activations against MXFP4 weights, native on
-               Blackwell, decomposed elsewhere); their error against the reference and triton_situ
-               is the accuracy cost of quantizing the activations
+- triton_situ:nvfp4 / triton_situ:mxfp8: the FP4 tensor-core modes (fused_moe_nvfp4 on the
+               mode's FP4MMAWeights, prepared from the layer's checkpoint tensors - the ModelOpt
+               tensors, or the MXFP4 release's - never from another arm's layout: W4A4 NVFP4
+               activations / W4A8 MXFP8 activations against MXFP4 weights, native on Blackwell,
+               decomposed elsewhere); their error against the reference and triton_situ is the
+               accuracy cost of quantizing the activations
 - marlin:      SGLang's NVFP4 marlin MoE (sgl_kernel): weights repacked as
                ModelOptNvFp4FusedMoEMethod.process_weights_after_loading does for the marlin
                backend (w13 scale_2 collapsed to the gate column, then
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from k3nvfp4.kernels import target
+from k3nvfp4.kernels.activation import ActivationKind
 
 if TYPE_CHECKING:
     from k3nvfp4.checkpoint.layer import NVFP4MoELayer
@@ -91,18 +94,22 @@ def build_triton_situ(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtyp
 
 def build_triton_situ_fp4(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype,
                           act_quant: str) -> tuple[RunFn, list[str]]:  # fmt: skip
-    """fused_moe_nvfp4(act_quant=...) on FP4MMAWeights prepared once; a mode the installed Triton or
-    the weights cannot do is ArmUnavailable with the reason (never another mode)."""
+    """fused_moe_nvfp4 on the mode's weights, prepared once from the layer's checkpoint tensors
+    (kernels/modes.py); a mode the installed Triton or the weights cannot do is ArmUnavailable
+    with the reason (never another mode)."""
     from k3nvfp4.kernels.interpreter import kernels_interpreted
 
     if device.type != "cuda" and not kernels_interpreted():
         raise ArmUnavailable(f"Triton kernels need a CUDA device; tensors are on {device} and TRITON_INTERPRET is not set")
     from k3nvfp4.kernels import fused_moe_nvfp4
-    from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, FP4MMAWeights, check_fp4_mode_supported
+    from k3nvfp4.kernels.modes import MODES
+    from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, check_fp4_mode_supported
 
+    if ex.tensors is None:
+        raise ArmUnavailable("the layer carries no checkpoint tensors to prepare this mode's weights from")
     try:
         check_fp4_mode_supported(act_quant, device)
-        w = FP4MMAWeights.from_nvfp4(ex.weights, mxfp8=act_quant == "mxfp8").to(device)
+        w = MODES[act_quant].prepare(ex.tensors).to(device)
     except E8M0RecoveryError as e:
         raise ArmUnavailable(f"mxfp8 needs E8M0-representable weight scales: {e}") from None
     except (RuntimeError, NotImplementedError) as e:
@@ -113,7 +120,7 @@ def build_triton_situ_fp4(ex: NVFP4MoELayer, device: torch.device, dtype: torch.
                                             "W4A8, MXFP8 activations and intermediate against MXFP4 weights (K3's native numerics)")]  # fmt: skip
     if device.type == "cuda" and target.capability(device)[0] != 10:
         notes.append("not a Blackwell GPU: tl.dot_scaled runs decomposed (correctness, not speed)")
-    return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, act_quant=act_quant, **kw)), notes
+    return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, **kw)), notes
 
 
 def marlin_unavailable_reason(device: torch.device) -> str | None:
@@ -139,8 +146,7 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
     reason = marlin_unavailable_reason(device)
     if reason:
         raise ArmUnavailable(reason)
-    if ex.hidden_act not in ("situ", "silu"):
-        raise ArmUnavailable(f"marlin supports gated silu/situ, not {ex.hidden_act}")
+    activation = ex.activation()  # ValueError for a name the kernels do not know (the report says so)
     from types import SimpleNamespace
 
     from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
@@ -148,7 +154,9 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
     from sglang.srt.layers.quantization.marlin_utils_fp4 import prepare_moe_nvfp4_layer_for_marlin
 
     mx = ex.source_format == "mxfp4"
-    w13, w13_s, w13_s2, w2, w2_s, w2_s2 = (_cast_weights(ex) if mx else ex.weights).to(device).to_modelopt()
+    if ex.modelopt_tensors() is None:
+        raise ArmUnavailable("the layer carries no ModelOpt tensors to prepare marlin's weights from")
+    w13, w13_s, w13_s2, w2, w2_s, w2_s2 = (t.to(device) for t in ex.modelopt_tensors())
     notes = ["SGLang's NVFP4 marlin on the cast of the MXFP4 experts (SGLang serves the release with its MXFP4 "
              "marlin path: the same values for every block inside the cast's window)"] if mx else []  # fmt: skip
     # Marlin has one global scale for w1 and w3; SGLang keeps the gate column (and warns).
@@ -166,9 +174,9 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
     layer.params_dtype = dtype
     prepare_moe_nvfp4_layer_for_marlin(layer, group_size=16)
     E = ex.weights.num_experts
-    situ = ex.hidden_act == "situ"
-    clamp = ex.situ_linear_beta if situ else None
-    alpha = ex.situ_beta if situ else None
+    situ = activation.kind is ActivationKind.SITU
+    clamp = activation.linear_beta if situ else None
+    alpha = activation.beta if situ else None
 
     def run(x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return fused_marlin_moe(
@@ -179,7 +187,7 @@ def build_marlin(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) ->
             w1_global_scale=layer.w13_weight_scale_2, w2_global_scale=layer.w2_weight_scale_2,
             workspace=marlin_make_workspace(x.device, max_blocks_per_sm=4), num_bits=4, is_k_full=True,
             inplace=False, routed_scaling_factor=ex.routed_scaling_factor, clamp_limit=clamp, gemm1_alpha=alpha,
-            activation=ex.hidden_act, is_gated=True,
+            activation=activation.name, is_gated=True,
         ).to(x.dtype)
 
     return run, notes
@@ -193,17 +201,19 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
 
     from .flashinfer_arm import FlashInferMoE, FlashInferMXFP4, flashinfer_weights, unavailable_reason
 
-    w = ex.weights
-    reason = unavailable_reason(device, dtype, w.hidden_size, w.intermediate_size, ex.hidden_act, ex.situ_linear_beta)
+    w, activation = ex.weights, ex.activation()
+    reason = unavailable_reason(device, dtype, w.hidden_size, w.intermediate_size, activation)
     if reason:
         raise ArmUnavailable(reason)
+    if ex.modelopt_tensors() is None:
+        raise ArmUnavailable("the layer carries no ModelOpt tensors to prepare FlashInfer's weights from")
     try:
-        fw = flashinfer_weights(w, device)
+        fw = flashinfer_weights(ex.modelopt_tensors(), device)
     except E8M0RecoveryError as e:
         raise ArmUnavailable(f"the experts are not exactly MXFP4 ({e})") from None
     except ValueError as e:
         raise ArmUnavailable(str(e)) from None
-    run = FlashInferMoE(fw, ex.hidden_act, ex.situ_beta, ex.situ_linear_beta, ex.routed_scaling_factor)
+    run = FlashInferMoE(fw, activation, ex.routed_scaling_factor)
     import flashinfer
 
     if isinstance(fw, FlashInferMXFP4):
@@ -213,7 +223,7 @@ def build_flashinfer(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype
         path = ("cutlass_fused_moe NVFP4 x NVFP4 (SM100, W4A4): the layer's NVFP4 experts, activations quantized to "
                 "NVFP4 by FlashInfer (global scale 448*6/amax(x) per call); compare with triton_situ:nvfp4")
     act = ("ActivationType.Situ with per-expert situ_beta / situ_linear_beta; whether it ran SiTU is its error "
-           "against the reference (FlashInfer #4597)" if ex.hidden_act == "situ" else "SwiGLU (SiLU)")
+           "against the reference (FlashInfer #4597)" if activation.kind is ActivationKind.SITU else "SwiGLU (SiLU)")
     return (lambda x, tw, ids: run(x, tw, ids)), [f"flashinfer {flashinfer.__version__} {path}; {act}"]
 
 

@@ -59,9 +59,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from k3nvfp4.kernels import target
+from k3nvfp4.kernels.activation import ActivationKind, GatedActivation
 
 if TYPE_CHECKING:
-    from k3nvfp4.kernels import NVFP4MoEWeights
+    from k3nvfp4.kernels.moe_details.weights import ModelOptMoETensors
 
 SM90_SHAPE_MULTIPLE = 128  # H and I (isProfileShapeSupported / prepare_cutlass_w4a16_weights)
 SM100_SHAPE_MULTIPLE = 64  # H (the activation scales' K alignment) and I (per-half 64-row scale padding)
@@ -100,14 +101,16 @@ class FlashInferMXFP4:
         return self.fc1.shape[1] // 2
 
     @classmethod
-    def from_nvfp4(cls, weights: NVFP4MoEWeights) -> "FlashInferMXFP4":
-        """From the kernels' weights (bit-exact ModelOpt tensors via ``to_modelopt``); raises
-        E8M0RecoveryError when the experts are not exactly MXFP4 (naming the first bad block)."""
+    def from_modelopt(cls, tensors: ModelOptMoETensors) -> "FlashInferMXFP4":
+        """From the layer's ModelOpt NVFP4 tensors (the checkpoint's, or the cast of the MXFP4
+        release); raises E8M0RecoveryError when the experts are not exactly MXFP4 (naming the
+        first bad block)."""
         from k3nvfp4.kernels.moe_details.weights import gate_up_scale_2
         from k3nvfp4.kernels.moe_fp4_details.weights import recover_e8m0
 
-        w13, s13, s13_2, w2, s2, s2_2 = weights.to_modelopt()
-        E, I, H = weights.num_experts, weights.intermediate_size, weights.hidden_size
+        w13, s13, s13_2, w2, s2, s2_2 = tensors
+        s13, s2 = _e4m3(s13), _e4m3(s2)
+        E, I, H = w13.shape[0], w13.shape[1] // 2, w2.shape[1]
         g_u = gate_up_scale_2(s13_2, E).float()
         rows13 = torch.cat([g_u[:, :1].expand(E, I), g_u[:, 1:].expand(E, I)], dim=1)  # scale_2 per w13 row
         e13 = recover_e8m0(w13, s13, rows13, "w13", use=MXFP4_USE)
@@ -143,12 +146,12 @@ class PreparedSM90:
     fc2: torch.Tensor
     fc1_scales: torch.Tensor
     fc2_scales: torch.Tensor
-    activation: str
+    activation: GatedActivation
     situ_beta: torch.Tensor | None
     situ_linear_beta: torch.Tensor | None
 
 
-def prepare_sm90(w: FlashInferMXFP4, activation: str, situ_beta: float | None, situ_linear_beta: float | None,
+def prepare_sm90(w: FlashInferMXFP4, activation: GatedActivation,
                  *, interleave_weights: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PreparedSM90:
     """The SM90 tensors from :class:`FlashInferMXFP4` on its device. ``interleave_weights``
     defaults to FlashInfer's CUDA ``interleave_moe_weights_for_sm90_mixed_gemm(w, "fp4")``; tests on
@@ -160,10 +163,7 @@ def prepare_sm90(w: FlashInferMXFP4, activation: str, situ_beta: float | None, s
             return interleave_moe_weights_for_sm90_mixed_gemm(t, "fp4")
 
     E, dev = w.num_experts, w.fc1.device
-    beta = lin = None
-    if activation == "situ":
-        beta = torch.full((E,), 4.0 if situ_beta is None else float(situ_beta), dtype=torch.float32, device=dev)
-        lin = torch.full((E,), float(situ_linear_beta), dtype=torch.float32, device=dev)
+    beta, lin = _situ_tensors(activation, E, dev)
     return PreparedSM90(interleave_weights(w.fc1), interleave_weights(w.fc2),
                         interleaved_scales(w.fc1_e8m0).view(torch.int32), interleaved_scales(w.fc2_e8m0).view(torch.int32),
                         activation, beta, lin)
@@ -176,31 +176,42 @@ def sm90_call_kwargs(p: PreparedSM90, x: torch.Tensor, topk_weights: torch.Tenso
     x bf16 [M, H]; topk_weights float [M, k]; topk_ids int [M, k], local ids, -1 = not local (the
     kernels skip ids outside [0, E)); out bf16 [M, H] or None. routed_scaling_factor is folded into
     the top-k weights (the call has no such argument)."""
-    from flashinfer.fused_moe import ActivationType
-
     kw: dict[str, Any] = dict(
         input=x, token_selected_experts=topk_ids.to(torch.int32).contiguous(),
         token_final_scales=(topk_weights.float() * routed_scaling_factor).contiguous(),
         fc1_expert_weights=p.fc1, fc2_expert_weights=p.fc2, output_dtype=torch.bfloat16,
         quant_scales=[p.fc1_scales, p.fc2_scales], use_w4_group_scaling=True, output=out,
-        activation_type=ActivationType.Situ if p.activation == "situ" else ActivationType.Swiglu,
+        activation_type=_activation_type(p.activation),
     )
-    if p.activation == "situ":
+    if p.activation.kind is ActivationKind.SITU:
         kw.update(situ_beta=p.situ_beta, situ_linear_beta=p.situ_linear_beta)
     return kw
 
 
-def _activation_reason(activation: str, situ_linear_beta: float | None) -> str | None:
+def _situ_tensors(activation: GatedActivation, E: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """SiTU's per-expert beta / linear_beta float32 [E] (None, None for SiLU)."""
+    if activation.kind is not ActivationKind.SITU:
+        return None, None
+    return (torch.full((E,), activation.beta, dtype=torch.float32, device=dev),
+            torch.full((E,), float(activation.linear_beta), dtype=torch.float32, device=dev))
+
+
+def _activation_type(activation: GatedActivation):
+    """FlashInfer's ActivationType of each ActivationKind (every kind has one: _activation_reason)."""
+    from flashinfer.fused_moe import ActivationType
+
+    return {ActivationKind.SITU: ActivationType.Situ, ActivationKind.SILU: ActivationType.Swiglu}[activation.kind]
+
+
+def _activation_reason(activation: GatedActivation) -> str | None:
     """Why FlashInfer's CUTLASS MoE (either path) cannot run this activation, or None."""
-    if activation not in ("situ", "silu"):
-        return f"activation {activation!r}: this arm runs SiTU or SiLU"
-    if activation == "situ" and situ_linear_beta is None:
+    if activation.kind is ActivationKind.SITU and activation.linear_beta is None:
         return "SiTU without linear_beta: FlashInfer's CUTLASS SiTU always caps the up branch (no encoding for none)"
     return None
 
 
-def sm90_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: int, activation: str,
-                      situ_linear_beta: float | None) -> str | None:
+def sm90_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: int,
+                      activation: GatedActivation) -> str | None:
     """Why the SM90 W4A16 path cannot take this layer (dtype, shape, activation), or None."""
     if dtype != torch.bfloat16:
         return f"FlashInfer's SM90 W4A16 MoE takes bf16 activations only, not {dtype}"
@@ -208,22 +219,22 @@ def sm90_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: i
     if bad:
         return (f"FlashInfer's SM90 W4A16 MoE needs H and I multiples of {SM90_SHAPE_MULTIPLE} (the K3 EP shards; "
                 f"not TP16's I = 192): {', '.join(bad)}")
-    return _activation_reason(activation, situ_linear_beta)
+    return _activation_reason(activation)
 
 
-def sm100_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: int, activation: str,
-                       situ_linear_beta: float | None) -> str | None:
+def sm100_layer_reason(dtype: torch.dtype, hidden_size: int, intermediate_size: int,
+                       activation: GatedActivation) -> str | None:
     """Why the SM100 NVFP4 path cannot take this layer (dtype, shape, activation), or None."""
     if dtype != torch.bfloat16:
         return f"this arm feeds FlashInfer's SM100 NVFP4 MoE bf16 activations (it quantizes them), not {dtype}"
     bad = [f"{n} = {v}" for n, v in (("H", hidden_size), ("I", intermediate_size)) if v % SM100_SHAPE_MULTIPLE]
     if bad:
         return f"FlashInfer's SM100 NVFP4 MoE needs H and I multiples of {SM100_SHAPE_MULTIPLE} here: {', '.join(bad)}"
-    return _activation_reason(activation, situ_linear_beta)
+    return _activation_reason(activation)
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int,
-                       activation: str, situ_linear_beta: float | None) -> str | None:
+                       activation: GatedActivation) -> str | None:
     """Why FlashInfer's SiTU MoE cannot run this layer on ``device``, or None when it can be tried.
     Checks what needs no FlashInfer import first (the device), so a CPU run never imports it."""
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -232,9 +243,9 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, hidden_size: in
     major, minor = target.capability(device)
     arch = major * 10 + minor
     if arch in (100, 103):
-        why = sm100_layer_reason(dtype, hidden_size, intermediate_size, activation, situ_linear_beta)
+        why = sm100_layer_reason(dtype, hidden_size, intermediate_size, activation)
     elif arch == 90:
-        why = sm90_layer_reason(dtype, hidden_size, intermediate_size, activation, situ_linear_beta)
+        why = sm90_layer_reason(dtype, hidden_size, intermediate_size, activation)
     else:
         why = (f"sm{arch}: this arm drives FlashInfer's SM90 W4A16 MXFP4 MoE and its SM100/SM103 NVFP4 one "
                "(cutlass_fused_moe)")
@@ -280,13 +291,14 @@ class FlashInferNVFP4:
     fc2_scale_2: torch.Tensor
 
     @classmethod
-    def from_nvfp4(cls, weights: NVFP4MoEWeights) -> "FlashInferNVFP4":
-        """From the kernels' weights (``to_modelopt``); ValueError when an expert's gate and up
+    def from_modelopt(cls, tensors: ModelOptMoETensors) -> "FlashInferNVFP4":
+        """From the layer's ModelOpt NVFP4 tensors; ValueError when an expert's gate and up
         scale_2 differ (one alpha per expert: folding the ratio into E4M3 scales is not exact)."""
         from k3nvfp4.kernels.moe_details.weights import gate_up_scale_2
 
-        w13, s13, s13_2, w2, s2, s2_2 = weights.to_modelopt()
-        E, I = weights.num_experts, weights.intermediate_size
+        w13, s13, s13_2, w2, s2, s2_2 = tensors
+        s13, s2 = _e4m3(s13), _e4m3(s2)
+        E, I = w13.shape[0], w13.shape[1] // 2
         g_u = gate_up_scale_2(s13_2, E).float()
         differ = int((g_u[:, 0] != g_u[:, 1]).sum())
         if differ:
@@ -333,22 +345,16 @@ class PreparedSM100:
     fc1_scale_2: torch.Tensor
     fc2_scale_2: torch.Tensor
     act2_global: torch.Tensor
-    activation: str
+    activation: GatedActivation
     situ_beta: torch.Tensor | None
     situ_linear_beta: torch.Tensor | None
 
 
-def prepare_sm100(w: FlashInferNVFP4, activation: str, situ_beta: float | None,
-                  situ_linear_beta: float | None) -> PreparedSM100:
+def prepare_sm100(w: FlashInferNVFP4, activation: GatedActivation) -> PreparedSM100:
     """The SM100 tensors from :class:`FlashInferNVFP4` on its device (plain torch: runs on CPU too)."""
     E, dev = w.fc1.shape[0], w.fc1.device
-    beta = lin = None
-    bound = None
-    if activation == "situ":
-        b = 4.0 if situ_beta is None else float(situ_beta)
-        beta = torch.full((E,), b, dtype=torch.float32, device=dev)
-        lin = torch.full((E,), float(situ_linear_beta), dtype=torch.float32, device=dev)
-        bound = b * float(situ_linear_beta)  # |beta tanh(g/beta) sigmoid(g)| <= beta, |lb tanh(u/lb)| <= lb
+    beta, lin = _situ_tensors(activation, E, dev)
+    bound = activation.bound  # the intermediate's bound (None for SiLU: a global scale of 1)
     act2 = torch.tensor(E2M1_X_E4M3_MAX / bound if bound else 1.0, dtype=torch.float32, device=dev)
     return PreparedSM100(w.fc1.view(torch.int64), w.fc2.view(torch.int64),
                          swizzled_scales(w.fc1_scale).view(torch.int32), swizzled_scales(w.fc2_scale).view(torch.int32),
@@ -363,8 +369,6 @@ def sm100_call_kwargs(p: PreparedSM100, x: torch.Tensor, topk_weights: torch.Ten
     device), fc1 block scales, fc1 alpha = scale_2 / input global scale (per expert), the
     intermediate's global scale, fc2 block scales, fc2 alpha = scale_2 / intermediate global scale].
     FlashInfer quantizes x * global scale to NVFP4 and multiplies each GEMM's output by its alpha."""
-    from flashinfer.fused_moe import ActivationType
-
     amax = x.abs().amax().float().clamp(min=torch.finfo(torch.float32).tiny)
     act1 = (E2M1_X_E4M3_MAX / amax).reshape(())
     kw: dict[str, Any] = dict(
@@ -373,9 +377,9 @@ def sm100_call_kwargs(p: PreparedSM100, x: torch.Tensor, topk_weights: torch.Ten
         fc1_expert_weights=p.fc1, fc2_expert_weights=p.fc2, output_dtype=torch.bfloat16,
         quant_scales=[act1, p.fc1_scales, (p.fc1_scale_2 / act1).contiguous(), p.act2_global, p.fc2_scales,
                       (p.fc2_scale_2 / p.act2_global).contiguous()],
-        output=out, activation_type=ActivationType.Situ if p.activation == "situ" else ActivationType.Swiglu,
+        output=out, activation_type=_activation_type(p.activation),
     )
-    if p.activation == "situ":
+    if p.activation.kind is ActivationKind.SITU:
         kw.update(situ_beta=p.situ_beta, situ_linear_beta=p.situ_linear_beta)
     return kw
 
@@ -388,12 +392,12 @@ class FlashInferMoE:
     """``run(x, topk_weights, topk_ids, out=None) -> [M, H]`` through ``cutlass_fused_moe``: SM90 W4A16
     from :class:`FlashInferMXFP4`, SM100 NVFP4 x NVFP4 from :class:`FlashInferNVFP4`."""
 
-    def __init__(self, weights: FlashInferMXFP4 | FlashInferNVFP4, activation: str, situ_beta: float | None,
-                 situ_linear_beta: float | None, routed_scaling_factor: float = 1.0) -> None:
+    def __init__(self, weights: FlashInferMXFP4 | FlashInferNVFP4, activation: GatedActivation,
+                 routed_scaling_factor: float = 1.0) -> None:
         if isinstance(weights, FlashInferMXFP4):
-            self.prepared, self._kwargs = prepare_sm90(weights, activation, situ_beta, situ_linear_beta), sm90_call_kwargs
+            self.prepared, self._kwargs = prepare_sm90(weights, activation), sm90_call_kwargs
         else:
-            self.prepared, self._kwargs = prepare_sm100(weights, activation, situ_beta, situ_linear_beta), sm100_call_kwargs
+            self.prepared, self._kwargs = prepare_sm100(weights, activation), sm100_call_kwargs
         self.routed_scaling_factor = routed_scaling_factor
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -405,9 +409,15 @@ class FlashInferMoE:
         return res[0] if isinstance(res, (list, tuple)) else res
 
 
-def flashinfer_weights(weights: NVFP4MoEWeights, device: torch.device) -> FlashInferMXFP4 | FlashInferNVFP4:
-    """The experts in the form the GPU's path takes (SM90: MXFP4; SM100/SM103: NVFP4), on ``device``.
-    Raises E8M0RecoveryError (SM90, experts not exactly MXFP4) or ValueError (SM100, gate/up scale_2)."""
+def flashinfer_weights(tensors: ModelOptMoETensors, device: torch.device) -> FlashInferMXFP4 | FlashInferNVFP4:
+    """The experts (the layer's ModelOpt NVFP4 tensors) in the form the GPU's path takes (SM90:
+    MXFP4; SM100/SM103: NVFP4), on ``device``. Raises E8M0RecoveryError (SM90, experts not exactly
+    MXFP4) or ValueError (SM100, gate/up scale_2)."""
     if target.capability(device)[0] == 10:
-        return FlashInferNVFP4.from_nvfp4(weights).to(device)
-    return FlashInferMXFP4.from_nvfp4(weights).to(device)
+        return FlashInferNVFP4.from_modelopt(tensors).to(device)
+    return FlashInferMXFP4.from_modelopt(tensors).to(device)
+
+
+def _e4m3(scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales as float8_e4m3fn (SGLang may hold their uint8 bits)."""
+    return scale.view(torch.float8_e4m3fn) if scale.dtype == torch.uint8 else scale

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from k3nvfp4.checkpoint.layer import NVFP4MoELayer, load_moe_layer
-from k3nvfp4.kernels.situ import ACTIVATIONS
-from k3nvfp4.kernels.testing import k3_like_nvfp4_moe_weights, realistic_hidden_states, sigmoid_topk_routing
+from k3nvfp4.kernels.activation import ACTIVATION_NAMES
+from k3nvfp4.kernels import NVFP4MoEWeights
+from k3nvfp4.kernels.testing import k3_like_modelopt_tensors, realistic_hidden_states, sigmoid_topk_routing
 
 from .errors import InputError
 
@@ -20,14 +21,15 @@ from .errors import InputError
 def synthetic_layer(num_experts: int = 8, hidden_size: int = 256, intermediate_size: int = 128, *,
                     top_k: int = 4, seed: int = 0) -> NVFP4MoELayer:
     """A SiTU layer (beta 4, linear beta 25) of random experts with K3's structure
-    (:func:`k3nvfp4.kernels.testing.k3_like_nvfp4_moe_weights`). H, I multiples of 16."""
+    (:func:`k3nvfp4.kernels.testing.k3_like_modelopt_tensors`, kept as the layer's checkpoint tensors). H, I multiples of 16."""
     E, H, I = num_experts, hidden_size, intermediate_size
     if H % 16 or I % 16 or min(E, H, I) <= 0:
         raise InputError(f"--synthetic: hidden ({H}) and intermediate ({I}) must be positive multiples of 16, experts ({E}) > 0")
     if not 1 <= top_k <= E:
         raise InputError(f"--top-k {top_k} must lie in [1, experts={E}]")
-    return NVFP4MoELayer(k3_like_nvfp4_moe_weights(E, H, I, seed=seed), top_k, tuple(range(E)), num_global_experts=E,
-                         source=f"synthetic E={E} H={H} I={I} seed={seed}")
+    tensors = k3_like_modelopt_tensors(E, H, I, seed=seed)
+    return NVFP4MoELayer(NVFP4MoEWeights.from_modelopt(*tensors), top_k, tuple(range(E)), num_global_experts=E,
+                         source=f"synthetic E={E} H={H} I={I} seed={seed}", tensors=tensors)
 
 
 def load_checkpoint_layer(ckpt: Path, layer: int | None, num_experts: int | None) -> NVFP4MoELayer:
@@ -45,8 +47,8 @@ def load_checkpoint_layer(ckpt: Path, layer: int | None, num_experts: int | None
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         raise InputError(f"--ckpt {ckpt} --layer {layer}: {msg}") from None
     act = t.hidden_act or "silu"
-    if act not in ACTIVATIONS:
-        raise InputError(f"{ckpt}: hidden_act {act!r} is not supported (situ or silu)")
+    if act not in ACTIVATION_NAMES:
+        raise InputError(f"{ckpt}: hidden_act {act!r} is not supported ({' or '.join(ACTIVATION_NAMES)})")
     return replace(t, hidden_act=act, situ_beta=t.situ_beta if t.situ_beta is not None else 4.0)
 
 

@@ -1,0 +1,105 @@
+"""The kernel modes of the fused MoE, one small object each: how one K step's operands are
+prepared, which prepared weights the mode takes (and how they are prepared at load from the
+checkpoint's tensors), its launch-config class and its cost table.
+
+  mode    weights (prepared once, at load)     one K step of GEMM1 / GEMM2
+  none    NVFP4MoEWeights (moe_details/)       W4A16: FP4 weight tile dequantized in registers
+                                                (e2m1 x block scale -> bf16), bf16 x bf16 MMA
+  nvfp4   FP4MMAWeights(act_quant="nvfp4")     W4A4: activations quantized to NVFP4 once per
+                                                token, e2m1 x e2m1 block-scaled MMA (E4M3 per 16)
+  mxfp8   FP4MMAWeights(act_quant="mxfp8")     W4A8: activations MXFP8, e4m3 x e2m1 block-scaled
+                                                MMA (E8M0 per 32)
+
+The prepared weights choose the kernels: ``k3nvfp4.kernels.fused_moe_nvfp4`` runs the mode its
+weights were prepared for (:func:`mode_of`), and no call converts one mode's prepared layout
+into another's. A new mode (e.g. FP8 activations on Hopper) is one more entry here, its weights
+class with ``from_modelopt`` / ``from_mxfp4``, its kernels on the shared skeleton
+(moe_details/skeleton.py) and one dispatch branch in kernels/moe.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .moe_details.config import MoEConfig
+from .moe_details.weights import ModelOptMoETensors, MXFP4MoETensors, NVFP4MoEWeights
+from .moe_fp4_details.config import FP4MoEConfig
+from .moe_fp4_details.weights import FP4MMAWeights
+
+CheckpointTensors = ModelOptMoETensors | MXFP4MoETensors
+
+
+@dataclass(frozen=True)
+class KernelMode:
+    """One mode of the fused MoE (module docstring).
+
+    name: the K3NVFP4_ACT_QUANT value ("none", "nvfp4", "mxfp8"); label: "W4A16" / "W4A4" / "W4A8";
+    operands: how one K step's operands are prepared (for docs, logs and reports);
+    weights_type: the prepared weights this mode takes; config_type: its launch config;
+    cost_modes: its sections of the measured tile-cost table (kernels/cost_table.py, read by
+    the config class's heuristic through kernels/costs.py);
+    from_modelopt / from_mxfp4: prepare the weights from the ModelOpt NVFP4 / MXFP4 tensors.
+    """
+
+    name: str
+    label: str
+    operands: str
+    weights_type: type
+    config_type: type
+    cost_modes: tuple[str, ...]
+    from_modelopt: Callable[..., Any]
+    from_mxfp4: Callable[..., Any]
+
+    def prepare(self, tensors: CheckpointTensors) -> Any:
+        """This mode's weights from one layer's checkpoint tensors (ModelOptMoETensors or
+        MXFP4MoETensors), on their device."""
+        if isinstance(tensors, ModelOptMoETensors):
+            return self.from_modelopt(*tensors)
+        if isinstance(tensors, MXFP4MoETensors):
+            return self.from_mxfp4(*tensors)
+        raise TypeError(f"tensors: expected ModelOptMoETensors or MXFP4MoETensors, got {type(tensors).__name__}")
+
+    def takes(self, weights: Any) -> bool:
+        """True where ``weights`` were prepared for this mode."""
+        return isinstance(weights, self.weights_type) and getattr(weights, "act_quant", "none") == self.name
+
+
+def _fp4(act_quant: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    return (lambda *t: FP4MMAWeights.from_modelopt(*t, act_quant=act_quant),
+            lambda *t: FP4MMAWeights.from_mxfp4(*t, act_quant=act_quant))
+
+
+W4A16 = KernelMode(
+    "none", "W4A16", "FP4 weight tile dequantized in registers to bf16, bf16 x bf16 MMA (wgmma / mma)",
+    NVFP4MoEWeights, MoEConfig, ("w4a16 e5m3/16", "w4a16 e8m0/32"),
+    lambda *t: NVFP4MoEWeights.from_modelopt(*t), lambda *t: NVFP4MoEWeights.from_mxfp4(*t),
+)
+W4A4_NVFP4 = KernelMode(
+    "nvfp4", "W4A4", "activations NVFP4 (E4M3 per 16, fp32 per row) x NVFP4 weights, tl.dot_scaled e2m1 x e2m1",
+    FP4MMAWeights, FP4MoEConfig, ("w4a4 nvfp4",), *_fp4("nvfp4"),
+)
+W4A8_MXFP8 = KernelMode(
+    "mxfp8", "W4A8", "activations MXFP8 (E8M0 per 32) x MXFP4 weights, tl.dot_scaled e4m3 x e2m1",
+    FP4MMAWeights, FP4MoEConfig, ("w4a8 mxfp8",), *_fp4("mxfp8"),
+)
+
+MODES: dict[str, KernelMode] = {m.name: m for m in (W4A16, W4A4_NVFP4, W4A8_MXFP8)}
+MODE_NAMES = tuple(MODES)
+
+
+def kernel_mode(name: str, what: str = "act_quant") -> KernelMode:
+    """The mode called ``name``; ValueError naming ``what`` and the known modes otherwise."""
+    try:
+        return MODES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"{what}: expected one of {', '.join(MODE_NAMES)}, got {name!r}") from None
+
+
+def mode_of(weights: Any) -> KernelMode:
+    """The mode ``weights`` were prepared for; TypeError naming ``weights`` for anything else."""
+    for mode in MODES.values():
+        if mode.takes(weights):
+            return mode
+    raise TypeError(f"weights: expected prepared MoE weights (NVFP4MoEWeights for W4A16, FP4MMAWeights for the FP4 "
+                    f"modes: k3nvfp4.kernels.modes.MODES[mode].prepare(checkpoint tensors)), got {type(weights).__name__}")
