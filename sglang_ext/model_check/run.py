@@ -119,19 +119,25 @@ def _value_digest(weights: Any) -> str:
     from k3nvfp4.kernels.moe_details.layout import dequantize_tiles
 
     H, I = weights.hidden_size, weights.intermediate_size
-    tiled = isinstance(weights, NVFP4MoEWeights)  # else FP4MMAWeights: ModelOpt-layout nibbles + E4M3 scales
+    tiled = isinstance(weights, NVFP4MoEWeights)
+    # else FP4MMAWeights: ModelOpt-layout nibbles with E4M3 scales (nvfp4) or E8M0 scales with
+    # scale_2 folded in and scale_2 all 1 (mxfp8)
+    mx = not tiled and weights.act_quant == "mxfp8"
 
     def values(w: torch.Tensor, scale: torch.Tensor, k: int) -> torch.Tensor:
         if tiled:
             return dequantize_tiles(w, scale, k, weights.scale_format).double()
+        if mx:
+            return formats.dequantize_mxfp4(w, scale).double()
         return formats.dequantize_nvfp4(w, scale, 1.0).double()
 
+    s13, s2 = (weights.w13_e8m0, weights.w2_e8m0) if mx else (weights.w13_scale, weights.w2_scale)
     h = hashlib.sha256()
     for e in range(weights.num_experts):
-        v13 = values(weights.w13[e], weights.w13_scale[e], H)
+        v13 = values(weights.w13[e], s13[e], H)
         v13[:I] *= weights.w13_scale_2[e, 0].double()
         v13[I:] *= weights.w13_scale_2[e, 1].double()
-        v2 = values(weights.w2[e], weights.w2_scale[e], I) * weights.w2_scale_2[e].double()
+        v2 = values(weights.w2[e], s2[e], I) * weights.w2_scale_2[e].double()
         for v in (v13, v2):
             h.update(v.cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
