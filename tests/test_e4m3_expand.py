@@ -1,0 +1,73 @@
+"""E2M1 x 2^offset -> E4M3 bytes (kernels/moe_details/e4m3_expand.py): the Triton routine (in the
+interpreter without a GPU) and its torch reference, bit for bit against ml_dtypes over all 16
+codes x every offset of the exact window [-8, 6]."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from k3nvfp4.kernels.moe_details.e4m3_expand import (E4M3_EXPAND_MAX_OFFSET, E4M3_EXPAND_MIN_OFFSET,
+                                                     expand_e2m1_to_e4m3, expand_e2m1_to_e4m3_reference)
+
+OFFSETS = np.arange(E4M3_EXPAND_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET + 1)
+
+
+def _all_cases() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes uint8 [16 x 15], offsets int32, and the E4M3 bytes ml_dtypes gives for e2m1 x 2^j."""
+    codes, offs = np.meshgrid(np.arange(16, dtype=np.uint8), OFFSETS, indexing="ij")
+    codes, offs = codes.reshape(-1), offs.reshape(-1).astype(np.int32)
+    v = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.ldexp(1.0, offs)
+    e4m3 = v.astype(ml_dtypes.float8_e4m3fn)
+    assert (e4m3.astype(np.float64) == v).all()  # the window: every product is an E4M3 value
+    return codes, offs, e4m3.view(np.uint8)
+
+
+def test_window_is_minus8_to_6():
+    assert (E4M3_EXPAND_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET) == (-8, 6)
+
+
+def test_reference_bit_exact_against_ml_dtypes():
+    codes, offs, want = _all_cases()
+    got = expand_e2m1_to_e4m3_reference(torch.from_numpy(codes), torch.from_numpy(offs))
+    assert got.dtype == torch.uint8
+    assert np.array_equal(got.numpy(), want)
+    # a scalar offset broadcasts; -0 keeps its sign bit
+    assert expand_e2m1_to_e4m3_reference(torch.tensor([8, 0, 7], dtype=torch.uint8), -3).tolist() == [0x80, 0, 0x34]  # 6 x 2^-3 = 1.5 x 2^-1: field 6
+
+
+def test_reference_refuses_what_cannot_be_exact():
+    with pytest.raises(ValueError, match=r"offset: must lie in \[-8, 6\].*\[-9, -9\]"):
+        expand_e2m1_to_e4m3_reference(torch.tensor([1], dtype=torch.uint8), -9)
+    with pytest.raises(ValueError, match="offset"):
+        expand_e2m1_to_e4m3_reference(torch.tensor([1], dtype=torch.uint8), torch.tensor([7]))
+    with pytest.raises(ValueError, match="codes: E2M1 codes are 0..15"):
+        expand_e2m1_to_e4m3_reference(torch.tensor([16], dtype=torch.uint8), 0)
+    with pytest.raises(TypeError, match="codes"):
+        expand_e2m1_to_e4m3_reference(torch.tensor([1], dtype=torch.int32), 0)
+
+
+@triton.jit
+def _expand_kernel(codes_ptr, offset_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    keep = i < n
+    c = tl.load(codes_ptr + i, mask=keep, other=0)
+    j = tl.load(offset_ptr + i, mask=keep, other=0)
+    tl.store(out_ptr + i, expand_e2m1_to_e4m3(c, j).to(tl.uint8), mask=keep)
+
+
+def test_triton_routine_bit_exact_against_ml_dtypes():
+    """In the interpreter on CPU (tests/conftest.py), on the GPU where there is one."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    codes, offs, want = _all_cases()
+    out = torch.empty(codes.size, dtype=torch.uint8, device=dev)
+    _expand_kernel[(1,)](torch.from_numpy(codes).to(dev), torch.from_numpy(offs).to(dev), out, codes.size,
+                         BLOCK=triton.next_power_of_2(codes.size))
+    assert np.array_equal(out.cpu().numpy(), want)
+    # the bytes are the operand: read as float8_e4m3fn they are the products
+    v = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.ldexp(1.0, offs)
+    assert np.array_equal(out.cpu().view(torch.float8_e4m3fn).double().numpy(), v)
