@@ -71,3 +71,33 @@ def test_triton_routine_bit_exact_against_ml_dtypes():
     # the bytes are the operand: read as float8_e4m3fn they are the products
     v = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.ldexp(1.0, offs)
     assert np.array_equal(out.cpu().view(torch.float8_e4m3fn).double().numpy(), v)
+
+
+def test_probe_gemm_multiplies_the_prepared_weights():
+    """The sm90 probe GEMM of kernels/offline/compile_w4a8.py (nibble unpack, per-32 offsets
+    broadcast, expansion, E4M3 x E4M3 dot) run in the interpreter on weights kernels/w4a8_prep.py
+    prepares: equal to the float64 oracle's E4M3 weights x activations within fp32 accumulation
+    (|error| <= K x 2^-24 x sum |products|)."""
+    import w4a8_oracle as orc
+
+    from k3nvfp4.kernels.offline.compile_w4a8 import w4a8_probe_kernel
+    from k3nvfp4.kernels.w4a8_prep import prepare_w4a8_from_mxfp4
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = np.random.default_rng(0)
+    N, K, M = 32, 128, 16
+    packed = torch.from_numpy(g.integers(0, 256, (N, K // 2), dtype=np.uint8))
+    e8 = torch.from_numpy(g.integers(110, 125, (N, K // 32)).astype(np.uint8))  # 14 binades: all exact
+    w = prepare_w4a8_from_mxfp4(packed, e8)
+    xb = g.integers(0, 256, (K, M)).astype(np.uint8)
+    xb[(xb & 0x7F) == 0x7F] = 0  # no NaN codes
+    out = torch.empty(N, M, dtype=torch.float32, device=dev)
+    w4a8_probe_kernel[(N // 16,)](w.packed.to(dev), w.offsets.to(dev), torch.from_numpy(xb).view(torch.float8_e4m3fn).to(dev),
+                                  out, K, M, BLOCK_N=16, BLOCK_M=M, BLOCK_K=64)
+    m = orc.w4a8_from_mxfp4(packed.numpy(), e8.numpy())
+    assert m.rounded == 0
+    wv, xv = orc.e4m3_values(m.e4m3), orc.e4m3_values(xb)
+    ref = wv @ xv
+    bound = K * 2.0**-24 * (np.abs(wv) @ np.abs(xv))
+    assert (np.abs(out.cpu().numpy() - ref) <= bound).all()
+    assert np.abs(ref).max() > 1e3  # a real product, not zeros
