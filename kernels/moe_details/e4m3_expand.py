@@ -16,11 +16,11 @@ Why integers only: with Triton 3.8, booleans (tl.where masks, comparisons) kept 
 expansion that feeds tl.dot failed to compile for sm90 ("local_alloc element type bit width must be
 a multiple of 8"); the masks here are integers (arithmetic shifts of int32 give 0 / -1).
 
-Cost (not yet tuned): about 25 integer operations per weight in this elementwise form. The FP8
-tensor cores do about 4096 MACs per SM per clock on H100/H200, so at N = 256 tokens per MMA the
-expansion may spend about 16 integer ops per weight before it, not the tensor cores, sets the pace.
-docs/w4a8.md lists the cheaper formulations (a per-block 8-byte table and PRMT, 4 weights per
-instruction) that the mode's kernel should use; this routine is the exact reference they must match.
+Cost (not yet tuned): the probe GEMM of kernels/offline/compile_w4a8.py spends about 30 thread
+instructions per weight in its hot loop (sm90, Triton 3.8). The FP8 tensor cores do about 4000 MACs
+per SM per clock, so with N tokens per MMA the issue budget is about N / 32 instructions per weight
+(8 at N = 256). docs/w4a8.md lists the cheaper formulation (a per-block 8-byte table and PRMT, 4
+weights per instruction) the mode's kernel should use; this routine is the exact reference it must match.
 """
 
 from __future__ import annotations
