@@ -1,0 +1,103 @@
+"""Compile a W4A8 probe GEMM for sm90 WITHOUT a GPU and report its MMA and hot-loop statics: 4-bit
+weights (packed E2M1 nibbles + one exponent offset per 32) expanded in registers to E4M3 by
+moe_details/e4m3_expand.py, as the FIRST tl.dot operand, times FP8 activations loaded from memory.
+The groundwork of the Hopper W4A8 mode (docs/w4a8.md): it shows that the expansion compiles and that
+the GEMM gets FP8 wgmma (`.e4m3.e4m3`), and measures what the expansion costs per weight. Used by
+tests/test_w4a8_compile.py; run it with TRITON_INTERPRET unset:
+
+    python -P -m k3nvfp4.kernels.offline.compile_w4a8 [--block-n 64 --block-m 64 --block-k 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+import triton
+import triton.language as tl
+
+from ..moe_details.e4m3_expand import expand_e2m1_to_e4m3
+from .compile_check import _require_compiler, compile_kernel
+
+# The FP8 wgmma of Hopper: K = 32 per instruction, fp32 accumulators, E4M3 x E4M3.
+WGMMA_E4M3 = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3")
+
+
+@triton.jit
+def w4a8_probe_kernel(w_ptr, off_ptr, x_ptr, out_ptr, K, M, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """out fp32 [N, M] = (E2M1 x 2^offset) [N, K] @ x [K, M]: w_ptr uint8 [N, K/2] (low nibble the
+    even element), off_ptr int8 [N, K/32] in [-8, 6], x_ptr E4M3 [K, M] row-major. One program per
+    BLOCK_N rows (the weights on the MMA's M side, as the W4A8 mode puts them)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+        codes = tl.join(packed & 0xF, packed >> 4).reshape(BLOCK_N, BLOCK_K)  # even element first
+        off = tl.load(off_ptr + rn[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
+        off = tl.broadcast_to(off.to(tl.int32)[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)).reshape(BLOCK_N, BLOCK_K)
+        w = expand_e2m1_to_e4m3(codes, off).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        x = tl.load(x_ptr + (k0 + tl.arange(0, BLOCK_K))[:, None] * M + rm[None, :])
+        acc = tl.dot(w, x, acc)
+    tl.store(out_ptr + rn[:, None] * M + rm[None, :], acc)
+
+
+def compile_probe(block_n: int = 64, block_m: int = 64, block_k: int = 128, num_warps: int = 4,
+                  num_stages: int = 3, arch: int = 90):
+    """Triton's CompiledKernel of the probe for sm<arch> (asm: ttgir, ptx, cubin)."""
+    _require_compiler()
+    args = dict(w_ptr="*u8", off_ptr="*i8", x_ptr="*fp8e4nv", out_ptr="*fp32", K=3584, M=block_m)
+    consts = dict(BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k)
+    return compile_kernel(w4a8_probe_kernel, args, consts, arch, num_warps, num_stages)
+
+
+def probe_report(block_n: int = 64, block_m: int = 64, block_k: int = 128, num_warps: int = 4,
+                 num_stages: int = 3) -> dict:
+    """Compile the probe for sm90 and measure it: the wgmma forms in the PTX, whether A comes
+    from registers, and the hot loop's SASS (instructions per warp, per weight, the opcode mix)."""
+    from . import sass
+
+    c = compile_probe(block_n, block_m, block_k, num_warps, num_stages)
+    ptx = c.asm["ptx"]
+    forms = sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)})
+    # A from registers: the operand after the accumulator list is a second {...} register list
+    a_in_registers = bool(re.search(r"\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx))
+    cubin = c.asm["cubin"]
+    funcs = sass.disassemble(cubin)
+    name = next(n for n in funcs if "w4a8_probe" in n)
+    ru = sass.resource_usage(cubin)[name]
+    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+    weights = block_n * block_k
+    return {
+        "kernel": name, "block_n": block_n, "block_m": block_m, "block_k": block_k, "num_warps": num_warps,
+        "num_stages": num_stages, "triton": triton.__version__,
+        "wgmma_forms": forms, "wgmma_e4m3_in_ptx": len(WGMMA_E4M3.findall(ptx)), "a_in_registers": a_in_registers,
+        "registers": ru.registers, "local_bytes": ru.local_bytes, "shared_bytes": c.metadata.shared,
+        "loop_instructions_per_warp": st.instructions, "loop_mma_per_warp": st.mma,
+        "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, num_warps, weights), 4),
+        "thread_instr_per_weight": round(32 * sass.warp_instr_per_weight(st.instructions, num_warps, weights), 2),
+        "family_mix": st.family_mix, "opcode_mix": dict(list(st.opcode_mix.items())[:20]),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -P -m k3nvfp4.kernels.offline.compile_w4a8",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--block-n", type=int, default=64, help="weight rows per program (MMA M side)")
+    ap.add_argument("--block-m", type=int, default=64, help="tokens per program (MMA N side)")
+    ap.add_argument("--block-k", type=int, default=128, help="K per loop iteration (a multiple of 32)")
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--num-stages", type=int, default=3)
+    a = ap.parse_args(argv)
+    if a.block_k % 32:
+        ap.error(f"--block-k {a.block_k}: must be a multiple of 32 (one exponent offset per 32 weights)")
+    json.dump(probe_report(a.block_n, a.block_m, a.block_k, a.num_warps, a.num_stages), sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""E2M1 x 2^offset -> E4M3 bytes (kernels/moe_details/e4m3_expand.py): the Triton routine (in the
+interpreter without a GPU) and its torch reference, bit for bit against ml_dtypes over all 16
+codes x every offset of the exact window [-8, 6]."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from k3nvfp4.kernels.moe_details.e4m3_expand import (E4M3_EXPAND_MAX_OFFSET, E4M3_EXPAND_MIN_OFFSET,
+                                                     expand_e2m1_to_e4m3, expand_e2m1_to_e4m3_reference)
+
+OFFSETS = np.arange(E4M3_EXPAND_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET + 1)
+
+
+def _all_cases() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes uint8 [16 x 15], offsets int32, and the E4M3 bytes ml_dtypes gives for e2m1 x 2^j."""
+    codes, offs = np.meshgrid(np.arange(16, dtype=np.uint8), OFFSETS, indexing="ij")
+    codes, offs = codes.reshape(-1), offs.reshape(-1).astype(np.int32)
+    v = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.ldexp(1.0, offs)
+    e4m3 = v.astype(ml_dtypes.float8_e4m3fn)
+    assert (e4m3.astype(np.float64) == v).all()  # the window: every product is an E4M3 value
+    return codes, offs, e4m3.view(np.uint8)
+
+
+def test_window_is_minus8_to_6():
+    assert (E4M3_EXPAND_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET) == (-8, 6)
+
+
+def test_reference_bit_exact_against_ml_dtypes():
+    codes, offs, want = _all_cases()
+    got = expand_e2m1_to_e4m3_reference(torch.from_numpy(codes), torch.from_numpy(offs))
+    assert got.dtype == torch.uint8
+    assert np.array_equal(got.numpy(), want)
+    # a scalar offset broadcasts; -0 keeps its sign bit
+    assert expand_e2m1_to_e4m3_reference(torch.tensor([8, 0, 7], dtype=torch.uint8), -3).tolist() == [0x80, 0, 0x34]  # 6 x 2^-3 = 1.5 x 2^-1: field 6
+
+
+def test_reference_refuses_what_cannot_be_exact():
+    with pytest.raises(ValueError, match=r"offset: must lie in \[-8, 6\].*\[-9, -9\]"):
+        expand_e2m1_to_e4m3_reference(torch.tensor([1], dtype=torch.uint8), -9)
+    with pytest.raises(ValueError, match="offset"):
+        expand_e2m1_to_e4m3_reference(torch.tensor([1], dtype=torch.uint8), torch.tensor([7]))
+    with pytest.raises(ValueError, match="codes: E2M1 codes are 0..15"):
+        expand_e2m1_to_e4m3_reference(torch.tensor([16], dtype=torch.uint8), 0)
+    with pytest.raises(TypeError, match="codes"):
+        expand_e2m1_to_e4m3_reference(torch.tensor([1], dtype=torch.int32), 0)
+
+
+@triton.jit
+def _expand_kernel(codes_ptr, offset_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    keep = i < n
+    c = tl.load(codes_ptr + i, mask=keep, other=0)
+    j = tl.load(offset_ptr + i, mask=keep, other=0)
+    tl.store(out_ptr + i, expand_e2m1_to_e4m3(c, j).to(tl.uint8), mask=keep)
+
+
+def test_triton_routine_bit_exact_against_ml_dtypes():
+    """In the interpreter on CPU (tests/conftest.py), on the GPU where there is one."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    codes, offs, want = _all_cases()
+    out = torch.empty(codes.size, dtype=torch.uint8, device=dev)
+    _expand_kernel[(1,)](torch.from_numpy(codes).to(dev), torch.from_numpy(offs).to(dev), out, codes.size,
+                         BLOCK=triton.next_power_of_2(codes.size))
+    assert np.array_equal(out.cpu().numpy(), want)
+    # the bytes are the operand: read as float8_e4m3fn they are the products
+    v = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.ldexp(1.0, offs)
+    assert np.array_equal(out.cpu().view(torch.float8_e4m3fn).double().numpy(), v)
+
+
+def test_probe_gemm_multiplies_the_prepared_weights():
+    """The sm90 probe GEMM of kernels/offline/compile_w4a8.py (nibble unpack, per-32 offsets
+    broadcast, expansion, E4M3 x E4M3 dot) run in the interpreter on weights kernels/w4a8_prep.py
+    prepares: equal to the float64 oracle's E4M3 weights x activations within fp32 accumulation
+    (|error| <= K x 2^-24 x sum |products|)."""
+    import w4a8_oracle as orc
+
+    from k3nvfp4.kernels.offline.compile_w4a8 import w4a8_probe_kernel
+    from k3nvfp4.kernels.w4a8_prep import prepare_w4a8_from_mxfp4
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = np.random.default_rng(0)
+    N, K, M = 32, 128, 16
+    packed = torch.from_numpy(g.integers(0, 256, (N, K // 2), dtype=np.uint8))
+    e8 = torch.from_numpy(g.integers(110, 125, (N, K // 32)).astype(np.uint8))  # 14 binades: all exact
+    w = prepare_w4a8_from_mxfp4(packed, e8)
+    xb = g.integers(0, 256, (K, M)).astype(np.uint8)
+    xb[(xb & 0x7F) == 0x7F] = 0  # no NaN codes
+    out = torch.empty(N, M, dtype=torch.float32, device=dev)
+    w4a8_probe_kernel[(N // 16,)](w.packed.to(dev), w.offsets.to(dev), torch.from_numpy(xb).view(torch.float8_e4m3fn).to(dev),
+                                  out, K, M, BLOCK_N=16, BLOCK_M=M, BLOCK_K=64)
+    m = orc.w4a8_from_mxfp4(packed.numpy(), e8.numpy())
+    assert m.rounded == 0
+    wv, xv = orc.e4m3_values(m.e4m3), orc.e4m3_values(xb)
+    ref = wv @ xv
+    bound = K * 2.0**-24 * (np.abs(wv) @ np.abs(xv))
+    assert (np.abs(out.cpu().numpy() - ref) <= bound).all()
+    assert np.abs(ref).max() > 1e3  # a real product, not zeros
