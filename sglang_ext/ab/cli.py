@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from ...common.cli import HelpFormatter
-from .errors import ABError
+from ...common.outputs import OutputPathError, check_output_dir
+from .errors import ABError, InputError
 
 
 def _arm(s: str) -> tuple[str, str]:
@@ -123,6 +124,7 @@ def _serve(args) -> int:
         return 0
     if args.out is None:
         raise ABError("serve: --out DIR is required")
+    _check_out(args.out)  # before any request: a run of hours must not fail at its end
     if args.bootstrap_resamples < 1:
         raise ABError(f"serve: --bootstrap-resamples must be >= 1, got {args.bootstrap_resamples}")
     cfg = ServeConfig(arms=args.arm, out_dir=args.out, model=args.model, prompts=args.prompts,
@@ -139,7 +141,16 @@ def _serve(args) -> int:
     return 0
 
 
+def _check_out(out: Path) -> None:
+    """--out must be a directory this run can write, checked before any work (common.outputs)."""
+    try:
+        check_output_dir(out, "--out")
+    except OutputPathError as e:
+        raise InputError(str(e)) from None
+
+
 def _layer(args, as_script: bool) -> int:
+    _check_out(args.out)  # before the weights load (and before the interpreter re-run)
     if as_script and args.device in (None, "cpu"):
         # Without CUDA the kernels must run in the interpreter, chosen when they are defined.
         from k3nvfp4.kernels.interpreter import rerun_with_interpreter
