@@ -48,7 +48,9 @@ def _add_layer(sub) -> None:
                    help="comma list of arms to try (default reference,triton_situ,marlin,flashinfer; with an MXFP4 --ckpt "
                         "also triton_situ_cast: the same kernels on the cast of those experts)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per arm (default 5 on GPU, 1 on CPU)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per arm, after one untimed warm-up run (the compared one); default 5. Arms in "
+                        "the Triton interpreter (CPU) are not timed")
     p.add_argument("--out", type=Path, required=True, help="output directory (report.json, summary.md, PNGs)")
     p.add_argument("--no-plots", action="store_true",
                    help="write report.json and summary.md only (without matplotlib the plots are skipped anyway)")
