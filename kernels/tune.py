@@ -572,6 +572,16 @@ def _resolve_shape(args, p: argparse.ArgumentParser) -> TuneShape:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    from ..common.outputs import OutputPathError, check_output_dir, check_output_file
+
+    try:  # before any tuning (and before the interpreter re-run): minutes of work must not end in a failed write
+        if args.out_dir:
+            check_output_dir(args.out_dir, "--out-dir")
+        if args.report:
+            check_output_file(args.report, "--report")
+    except OutputPathError as e:
+        print(f"k3nvfp4-tune: error: {e}", file=sys.stderr)
+        return 2
     if args.interpret:
         args.device = "cpu"
     cpu = args.device == "cpu"
