@@ -202,7 +202,8 @@ def _set_group_size(src: Path, size: int) -> None:
 @pytest.mark.parametrize("case", ["invalid_index_json", "group_size_16", "output_is_a_file"])
 def test_refused_inputs_are_named(src, tmp_path, capsys, case, workers):
     """Refusals before any work, with the single process and with the pool: the file and what
-    is wrong with it, exit 1, no output directory made (or the file left as it was)."""
+    is wrong with it, exit 1 (an --output-ckpt that cannot be a directory: exit 2, the usage error it is,
+    checked before the source is read), no output directory made (or the file left as it was)."""
     out = tmp_path / "out"
     if case == "invalid_index_json":
         (src / "model.safetensors.index.json").write_text("{not json")
@@ -217,7 +218,7 @@ def test_refused_inputs_are_named(src, tmp_path, capsys, case, workers):
     capsys.readouterr()
     rc = main(["--source_ckpt", str(src), "--output_ckpt", str(out), "--workers", workers, "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 1 and all(e in err for e in expected), err
+    assert rc == (2 if case == "output_is_a_file" else 1) and all(e in err for e in expected), err
     assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
     if case == "output_is_a_file":
         assert out.read_text() == "keep me"
