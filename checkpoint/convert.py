@@ -48,7 +48,7 @@ from .rank_checks import (check_launch_token, coverage_problems, launch_differen
 from .ranks import Terminated, assign_shards
 from .quant_config import hf_quant_config, output_config
 from .safetensors_io import CheckpointError, MappedShards, StreamingWriter, read_tensor, write_atomic_text
-from .verify import verify_full, verify_nonlocal, verify_shard
+from .verify import progress_bytes, verify_full, verify_nonlocal, verify_shard
 
 TOOL_VERSION = "0.1.0"
 _METADATA = {"format": "pt"}
@@ -619,9 +619,11 @@ def _run_cast(options: CastOptions, coord: Coordinator) -> dict:
                 cast_now = {sp.name for sp in todo}
                 full_tasks = [_shard_task(plan, options, sp) for sp in mine if sp.name not in cast_now]
                 verified += [t.shard.name for t in full_tasks]
-                for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
+                for fn, ts, kw in ((verify_nonlocal, nonlocal_tasks, {"groups": "nonlocal", "check_shard": False}),
+                                   (verify_full, full_tasks, {})):
                     if ts:
-                        ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), _rank_desc("verify", coord), vres.append)
+                        ex.run(fn, ts, sum(progress_bytes(t, **kw) for t in ts), _rank_desc("verify", coord),
+                               vres.append)
                 rank_row["verify_seconds"] = time.perf_counter() - t1
                 verify_all = coord.exchange("verify", {"results": vres, "verified": verified,
                                                        "verify_seconds": rank_row["verify_seconds"]})
@@ -731,7 +733,7 @@ def _already_done(options: CastOptions, plan: CastPlan, report: dict, coord: Coo
         tasks = [_shard_task(plan, options, sp) for sp in mine]
         results: list[dict] = []
         with _Executor(min(options.workers, max(1, len(tasks))), options.progress, options.main_process_works) as ex:
-            ex.run(verify_full, tasks, sum(t.shard.source_bytes for t in tasks), _rank_desc("verify", coord),
+            ex.run(verify_full, tasks, sum(progress_bytes(t) for t in tasks), _rank_desc("verify", coord),
                    results.append)
         verify_all = coord.exchange("verify", {"results": results, "verified": [sp.name for sp in mine]})
         if coord.is_root:

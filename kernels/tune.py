@@ -630,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             major, minor = torch.cuda.get_device_capability(device)
             launch_check = offline_launch_check(shape, 10 * major + minor, device_model_of(device))
         # A bar on a terminal; in a log (or with --no-progress) a status line every interval.
-        outer = progress_bar(len(todo), "batch sizes", bars=not args.no_progress, unit="M")
+        outer = progress_bar(len(todo), "tuning", bars=not args.no_progress, unit="batch sizes")
         try:
             for M in todo:
                 if deadline is not None and time.monotonic() > deadline:
