@@ -456,8 +456,10 @@ def _prepare_output(options: CastOptions, plan: CastPlan) -> tuple[Path, dict | 
             if "fingerprint_parts" in previous:
                 why = fingerprint_differences(previous["fingerprint_parts"], plan.fingerprint_parts)
                 what = "a finished cast" if complete else "an unfinished cast"
+                old = previous.get("source")  # absent from the state of a cast started before it was recorded
+                of = f"of {old}, not of this --source-ckpt {src}" if old and old != str(src) else "of other inputs"
                 raise CheckpointError(
-                    f"--output-ckpt {options.output}: {what} of other inputs ({'; '.join(why) or 'unknown change'}); "
+                    f"--output-ckpt {options.output}: {what} {of} ({_clauses(why)}); "
                     "pass --overwrite to redo it, or choose another --output-ckpt")
             raise CheckpointError(f"--output-ckpt {options.output}: exists and is not empty; pass --overwrite to "
                                   "replace it")
@@ -469,8 +471,18 @@ def _prepare_output(options: CastOptions, plan: CastPlan) -> tuple[Path, dict | 
         shutil.rmtree(out)
     state.mkdir(parents=True, exist_ok=True)
     write_atomic_text(state / "state.json",
-                      json.dumps({"fingerprint": plan.fingerprint, "fingerprint_parts": plan.fingerprint_parts}) + "\n")
+                      json.dumps({"fingerprint": plan.fingerprint, "fingerprint_parts": plan.fingerprint_parts,
+                                  "source": str(src)}) + "\n")  # named when a resume is refused
     return state, None
+
+
+def _clauses(why: list[str], shown: int = 4) -> str:
+    """What changed, the first ``shown`` items and a count of the rest: a source of hundreds of
+    shards must not give a refusal of hundreds of clauses."""
+    if not why:
+        return "unknown change"
+    more = len(why) - shown
+    return "; ".join(why[:shown]) + (f"; and {more} more change(s)" if more > 0 else "")
 
 
 def _remove_partials(out: Path) -> None:

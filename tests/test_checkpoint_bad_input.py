@@ -362,3 +362,47 @@ def test_missing_source_is_named_with_the_documented_spelling(tmp_path, capsys):
         assert rc == 1, err
         assert f"--source-ckpt {tmp_path / 'nope'}: not a directory" in err and "--source_ckpt" not in err
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_other_source_refusal_names_the_old_source(src, tmp_path, capsys, monkeypatch, finished):
+    """Issue 40: refusing an output cast from another source listed every per-shard change but
+    never the source it was cast from. Now: the old source path and the new, and at most four
+    clauses with a count of the rest."""
+    from k3nvfp4.checkpoint import convert
+
+    other = write_synthetic_checkpoint(tmp_path / "other", num_layers=2, num_experts=2, hidden_size=64,
+                                       intermediate_size=32, num_shards=2, model_hidden_size=64, seed=9)
+    out = tmp_path / "out"
+    args = ["--output-ckpt", str(out), "--workers", "1", "--no-progress"]
+    if not finished:  # stop after the first shard: an unfinished cast whose state names its source
+        real = convert.cast_shard
+        calls = []
+
+        def stop(task):
+            calls.append(1)
+            if len(calls) > 1:
+                raise KeyboardInterrupt
+            return real(task)
+
+        monkeypatch.setattr(convert, "cast_shard", stop)
+        assert main(["--source-ckpt", str(src), *args]) == 130
+        monkeypatch.setattr(convert, "cast_shard", real)
+    else:
+        assert main(["--source-ckpt", str(src), *args]) == 0
+    capsys.readouterr()
+    assert main(["--source-ckpt", str(other), *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[0]
+    what = "a finished cast" if finished else "an unfinished cast"
+    assert err.startswith(f"k3nvfp4-cast: error: --output-ckpt {out}: {what} of {src.resolve()}, not of this "
+                          f"--source-ckpt {other.resolve()} ("), err
+    assert err.count(";") <= 5 and "pass --overwrite" in err
+
+
+def test_clauses_are_capped():
+    from k3nvfp4.checkpoint.convert import _clauses
+
+    assert _clauses([]) == "unknown change"
+    assert _clauses(["a", "b"]) == "a; b"
+    assert _clauses([f"source s{i} changed" for i in range(11)]) == (
+        "source s0 changed; source s1 changed; source s2 changed; source s3 changed; and 7 more change(s)")
