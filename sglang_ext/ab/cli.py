@@ -65,7 +65,7 @@ def _add_serve(sub) -> None:
                        description="Send the same prompts to two SGLang servers (one per MoE backend) and compare "
                                    "greedy outputs token by token and pass@1 over seeds. Without --arm (or with "
                                    "--print-launch) it prints the two launch commands it expects.")
-    p.add_argument("--arm", type=_arm, action="append", default=[], metavar="NAME=URL",
+    p.add_argument("--arm", type=_arm, action="append", default=None, metavar="NAME=URL",
                    help="an endpoint, twice; the first is the baseline (e.g. marlin=http://host:30000)")
     p.add_argument("--print-launch", action="store_true", help="print the expected sglang launch commands and exit")
     p.add_argument("--model-path", default="/path/to/kimi-k3-nvfp4", help="checkpoint shown in --print-launch")
@@ -73,7 +73,7 @@ def _add_serve(sub) -> None:
                                                        "not fit 8 GPUs)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size in --print-launch (default: none)")
     p.add_argument("--nnodes", type=int, default=2, help="nodes the ranks span, in --print-launch (default 2)")
-    p.add_argument("--extra-args", default="", help="flags appended to both launch commands")
+    p.add_argument("--extra-args", default="", help="flags appended to both launch commands (default: none)")
     p.add_argument("--model", default=None, help="model name sent in requests (default: each server's first /v1/models id)")
     p.add_argument("--prompts", default=None,
                    help="prompt file: the project's JSONL, GPQA's CSV (e.g. gpqa_diamond.csv) or NeMo-Skills' prepared "
