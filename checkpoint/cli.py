@@ -75,6 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not value > 0:
             print(f"k3nvfp4-cast: error: {flag} {value:g}: must be > 0 seconds", file=sys.stderr)
             return 2
+    from ..common.outputs import OutputPathError, check_output_dir
+
+    try:  # before any work (the cast's own rules on what it may resume or replace come later)
+        check_output_dir(args.output_ckpt, "--output-ckpt")
+    except OutputPathError as exc:
+        print(f"k3nvfp4-cast: error: {exc}", file=sys.stderr)
+        return 2
     from .ranks import LaunchError, Terminated, rank_spec
 
     try:

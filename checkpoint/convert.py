@@ -51,7 +51,7 @@ from .records import (ALogCheck, CastMessage, LaunchInfo, Prepared, RankRow, Rec
 from .ranks import Terminated, assign_shards
 from .quant_config import hf_quant_config, output_config
 from .safetensors_io import CheckpointError, MappedShards, StreamingWriter, read_tensor, write_atomic_text
-from .verify import verify_full, verify_nonlocal, verify_shard
+from .verify import progress_bytes, verify_full, verify_nonlocal, verify_shard
 
 TOOL_VERSION = "0.1.0"
 _METADATA = {"format": "pt"}
@@ -443,8 +443,10 @@ def _prepare_output(options: CastOptions, plan: CastPlan) -> tuple[Path, dict | 
             if "fingerprint_parts" in previous:
                 why = fingerprint_differences(previous["fingerprint_parts"], plan.fingerprint_parts)
                 what = "a finished cast" if complete else "an unfinished cast"
+                old = previous.get("source")  # absent from the state of a cast started before it was recorded
+                of = f"of {old}, not of this --source-ckpt {src}" if old and old != str(src) else "of other inputs"
                 raise CheckpointError(
-                    f"--output-ckpt {options.output}: {what} of other inputs ({'; '.join(why) or 'unknown change'}); "
+                    f"--output-ckpt {options.output}: {what} {of} ({_clauses(why)}); "
                     "pass --overwrite to redo it, or choose another --output-ckpt")
             raise CheckpointError(f"--output-ckpt {options.output}: exists and is not empty; pass --overwrite to "
                                   "replace it")
@@ -456,8 +458,18 @@ def _prepare_output(options: CastOptions, plan: CastPlan) -> tuple[Path, dict | 
         shutil.rmtree(out)
     state.mkdir(parents=True, exist_ok=True)
     write_atomic_text(state / "state.json",
-                      json.dumps({"fingerprint": plan.fingerprint, "fingerprint_parts": plan.fingerprint_parts}) + "\n")
+                      json.dumps({"fingerprint": plan.fingerprint, "fingerprint_parts": plan.fingerprint_parts,
+                                  "source": str(src)}) + "\n")  # named when a resume is refused
     return state, None
+
+
+def _clauses(why: list[str], shown: int = 4) -> str:
+    """What changed, the first ``shown`` items and a count of the rest: a source of hundreds of
+    shards must not give a refusal of hundreds of clauses."""
+    if not why:
+        return "unknown change"
+    more = len(why) - shown
+    return "; ".join(why[:shown]) + (f"; and {more} more change(s)" if more > 0 else "")
 
 
 def _remove_partials(out: Path) -> None:
@@ -698,9 +710,10 @@ def _verify_rest(options: CastOptions, share: _Share, ex: "_Executor", coord: Co
     cast_now = {sp.name for sp in share.todo}
     full_tasks = [_shard_task(plan, options, sp) for sp in share.mine if sp.name not in cast_now]
     verified += [t.shard.name for t in full_tasks]
-    for fn, ts in ((verify_nonlocal, nonlocal_tasks), (verify_full, full_tasks)):
+    for fn, ts, kw in ((verify_nonlocal, nonlocal_tasks, {"groups": "nonlocal", "check_shard": False}),
+                       (verify_full, full_tasks, {})):
         if ts:
-            ex.run(fn, ts, sum(t.shard.source_bytes for t in ts), _rank_desc("verify", coord), results.append)
+            ex.run(fn, ts, sum(progress_bytes(t, **kw) for t in ts), _rank_desc("verify", coord), results.append)
     return VerifyMessage(results, verified)
 
 
@@ -803,7 +816,7 @@ def _already_done(options: CastOptions, plan: CastPlan, report: dict | None, coo
         tasks = [_shard_task(plan, options, sp) for sp in mine]
         results: list[VerifyResult] = []
         with _Executor(min(options.workers, max(1, len(tasks))), options.progress, options.main_process_works) as ex:
-            ex.run(verify_full, tasks, sum(t.shard.source_bytes for t in tasks), _rank_desc("verify", coord),
+            ex.run(verify_full, tasks, sum(progress_bytes(t) for t in tasks), _rank_desc("verify", coord),
                    results.append)
         sent = coord.exchange("verify", VerifyMessage(results, [sp.name for sp in mine]).to_json())
         if coord.is_root:

@@ -132,6 +132,16 @@ def _dense_hint(ckpt: Path, layer: int) -> str:
     return f": layer {layer} is dense (first_k_dense_replace = {k}){moe_layers}"
 
 
+def _moe_layers_hint(weight_map: dict[str, str], suffix: str) -> str:
+    """The layers that do have routed experts of this format in the index, as ranges ("; its MoE
+    layers are 1-60"), or that it has none; any layer index that is not one of them gets this."""
+    pattern = re.compile(rf"^(?:language_model\.)?model\.layers\.(?P<l>\d+)\.block_sparse_moe\.experts\.\d+\.w1\.{suffix}$")
+    layers = {int(m["l"]) for m in map(pattern.match, weight_map) if m}
+    if not layers:
+        return "; it has routed experts of this format in no layer"
+    return f"; its layers with routed experts are {_ranges(sorted(layers))}"
+
+
 def _read_experts(ckpt: Path, weight_map: dict[str, str], layer: int, experts: Sequence[int] | None,
                   suffixes: tuple[str, ...], not_found_hint: str) -> _ExpertTensors:  # fmt: skip
     """Stacked per-expert tensors ``suffixes`` of w1/w3/w2; each shard opened once."""
@@ -143,8 +153,9 @@ def _read_experts(ckpt: Path, weight_map: dict[str, str], layer: int, experts: S
             found[int(m["e"])] = m["p"]
     if not found:
         kind = "MXFP4" if suffixes[0] == "weight_packed" else "NVFP4"
+        dense = _dense_hint(ckpt, layer)
         raise KeyError(f"{ckpt}: no {kind} routed experts for layer {layer} in {INDEX_FILE}{not_found_hint}"
-                       + _dense_hint(ckpt, layer))
+                       + (dense or _moe_layers_hint(weight_map, suffixes[0])))
     expert_ids = tuple(sorted(found)) if experts is None else tuple(int(e) for e in experts)
     missing = [e for e in expert_ids if e not in found]
     if missing:

@@ -33,6 +33,7 @@ tensor name only, not on the sharding.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import math
 import os
@@ -571,6 +572,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="fraction of blocks stored with E8M0 exponent 0 (all-zero blocks)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the tensors")
     args = ap.parse_args(argv)
+    from ..common.outputs import OutputPathError, check_output_dir
+
+    try:
+        check_output_dir(args.out, "--out")
+    except OutputPathError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         path = write_synthetic_checkpoint(
             args.out, num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,

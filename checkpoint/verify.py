@@ -331,6 +331,23 @@ def verify_shard(task: "ShardTask", *, groups: str = "all", check_shard: bool = 
     return ctx.res
 
 
+def progress_bytes(task: "ShardTask", *, groups: str = "all", check_shard: bool = True) -> int:
+    """The source bytes verify_shard(task, groups=, check_shard=) reports as progress: its carried
+    tensors and the matrices of the groups it verifies (a group anchored here may have members in
+    another shard). A verify bar's total is the sum of these, so it ends at exactly 100%; the
+    shards' file sizes would not match when only some shards are verified (a resumed run)."""
+    n = 0
+    if check_shard:
+        n += sum(it.src.entry.nbytes for it in task.shard.items if it.kind in ("carry", "a_log_trim"))
+    for g in task.shard.anchored_groups:
+        members = task.groups[g]
+        local = is_local_group(members, task.shard.name)
+        if (groups == "local" and not local) or (groups == "nonlocal" and local):
+            continue
+        n += sum(m.packed.entry.nbytes + m.scale.entry.nbytes for m in members)
+    return n
+
+
 def verify_nonlocal(task: "ShardTask") -> VerifyResult:
     """The second verify pass: groups of this shard that span shards (all output now committed)."""
     return verify_shard(dataclasses.replace(task, verify_sample=0), groups="nonlocal", check_shard=False)  # sampled in-line

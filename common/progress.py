@@ -59,7 +59,9 @@ class LogProgress:
     """tqdm's update / close / set_postfix_str / n, written as one plain line per interval.
 
     Line: ``cast: 12.3GB of 45.6GB (27%), 1.20GB/s, ETA 04:05 | <postfix>`` (units with
-    ``unit_scale``; a count otherwise). No carriage return, no escape code. Thread-safe."""
+    ``unit_scale``), or ``requests: 3 of 8 req (38%), 0.11 req/s, ...`` (a count). Rates keep
+    three significant digits, so a slow run never reads "0 req/s". No carriage return, no escape
+    code. Thread-safe."""
 
     def __init__(self, total: float | None, desc: str, *, unit: str = "it", unit_scale: bool = False,
                  interval_s: float | None = None, stream: IO[str] | None = None,
@@ -92,12 +94,23 @@ class LogProgress:
         with self._lock:
             self.postfix = s
 
-    def _amount(self, x: float) -> str:
+    def _done(self, n: float) -> str:
+        """``12.3GB of 45.6GB`` / ``3 of 8 req``; without a total ``12.3GB`` / ``3 req``."""
         from tqdm import tqdm
 
         if self.unit_scale:
-            return tqdm.format_sizeof(x, self.unit, 1000)
-        return f"{x:,.0f} {self.unit}"
+            text = tqdm.format_sizeof(n, self.unit, 1000)
+            return text + (f" of {tqdm.format_sizeof(self.total, self.unit, 1000)}" if self.total else "")
+        return f"{n:,.0f}" + (f" of {self.total:,.0f}" if self.total else "") + f" {self.unit}"
+
+    def _rate(self, rate: float) -> str:
+        """Three significant digits (``0.11 req/s``, ``12.3 req/s``, ``1,234 req/s``, ``1.20GB/s``)."""
+        from tqdm import tqdm
+
+        if self.unit_scale and rate >= 1:
+            return f"{tqdm.format_sizeof(rate, self.unit, 1000)}/s"
+        text = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+        return f"{text}{'' if self.unit_scale else ' '}{self.unit}/s"
 
     def line(self) -> str:
         """The status line as of now."""
@@ -107,10 +120,10 @@ class LogProgress:
             n, postfix = self.n, self.postfix
         elapsed = self._clock() - self._t0
         rate = n / elapsed if elapsed > 0 else 0.0
-        parts = [self._amount(n) + (f" of {self._amount(self.total)}" if self.total else "")]
+        parts = [self._done(n)]
         if self.total:
             parts[0] += f" ({100.0 * n / self.total:.0f}%)"
-        parts.append(f"{self._amount(rate)}/s")
+        parts.append(self._rate(rate))
         parts.append(f"elapsed {tqdm.format_interval(elapsed)}")
         if self.total and rate > 0 and n < self.total:
             parts.append(f"ETA {tqdm.format_interval((self.total - n) / rate)}")

@@ -572,6 +572,16 @@ def _resolve_shape(args, p: argparse.ArgumentParser) -> TuneShape:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    from ..common.outputs import OutputPathError, check_output_dir, check_output_file
+
+    try:  # before any tuning (and before the interpreter re-run): minutes of work must not end in a failed write
+        if args.out_dir:
+            check_output_dir(args.out_dir, "--out-dir")
+        if args.report:
+            check_output_file(args.report, "--report")
+    except OutputPathError as e:
+        print(f"k3nvfp4-tune: error: {e}", file=sys.stderr)
+        return 2
     if args.interpret:
         args.device = "cpu"
     cpu = args.device == "cpu"
@@ -620,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             major, minor = capability(device)
             launch_check = offline_launch_check(shape, 10 * major + minor, device_model_of(device))
         # A bar on a terminal; in a log (or with --no-progress) a status line every interval.
-        outer = progress_bar(len(todo), "batch sizes", bars=not args.no_progress, unit="M")
+        outer = progress_bar(len(todo), "tuning", bars=not args.no_progress, unit="batch sizes")
         try:
             for M in todo:
                 if deadline is not None and time.monotonic() > deadline:

@@ -15,6 +15,7 @@ class FakeServer:
 
     def __init__(self, respond, model="k3-test"):
         self.respond, self.model, self.payloads = respond, model, []
+        self.requests = []  # every request as "METHOD /path", the /v1/models check included
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -30,12 +31,14 @@ class FakeServer:
                 self.wfile.write(raw)
 
             def do_GET(self):
+                outer.requests.append(f"GET {self.path}")
                 if self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": outer.model, "object": "model"}]})
                 else:
                     self._send(404, {"error": "not found"})
 
             def do_POST(self):
+                outer.requests.append(f"POST {self.path}")
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.payloads.append(payload)
                 status, body, delay = outer.respond(payload)

@@ -92,7 +92,12 @@ def test_layer_ab_cpu_reference_triton_marlin_unavailable(tmp_path):
     if not torch.cuda.is_available():
         assert flashinfer.status.startswith("not available: no CUDA device (device cpu")
     assert not flashinfer.ok and flashinfer.output_rms is None
-    assert len(rep.arm("triton_situ").times_ms) == 1
+    # Timing: the reference (plain torch) 5 runs after its warm-up, on CPU and said so; the
+    # interpreted triton_situ not timed, and said so.
+    ref, tri = rep.arm("reference"), rep.arm("triton_situ")
+    assert len(ref.times_ms) == 5 and ref.timing == "5 runs after a warm-up, on CPU: says nothing of GPU speed"
+    assert tri.times_ms == [] and tri.median_ms is None and tri.timing.startswith("not timed: Triton interpreter")
+    assert rep.setup["timing"] == {"warmup_runs": 1, "timed_runs": 5, "interpreted_arms_timed": False}
     # No arm substituted: marlin appears in no pair; the one pair is triton_situ vs reference.
     assert [(p.a, p.b) for p in rep.pairs] == [("triton_situ", "reference")]
     p = rep.pairs[0]
@@ -107,6 +112,7 @@ def test_layer_ab_cpu_reference_triton_marlin_unavailable(tmp_path):
     assert rj["pairs"][0]["rel_err"] == pytest.approx(p.rel_err) and rj["setup"]["tokens"] == 16
     md = (tmp_path / "summary.md").read_text()
     assert "| marlin | not available: " in md and "| triton_situ | reference |" in md
+    assert f"| reference | ok | {ref.median_ms:.3f} | 5 runs after a warm-up, on CPU: says nothing of GPU speed |" in md
     for png in ("error_hist.png", "per_expert_error.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -198,6 +204,7 @@ def test_layer_cli_missing_layer_in_checkpoint(tmp_path, capsys):
     rc = cli.main(["layer", "--ckpt", str(ck), "--layer", "7", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and "--layer 7" in err and "no MXFP4 routed experts for layer 7" in err
+    assert err.rstrip().endswith("; its layers with routed experts are 1")  # the valid ones, as for layer 0
     # Layer 0 is dense: said so, with the MoE layers (issue 29, item 10).
     assert cli.main(["layer", "--ckpt", str(ck), "--layer", "0", "--out", str(tmp_path / "o")]) == 2
     assert "layer 0 is dense (first_k_dense_replace = 1); the MoE layers are 1-1" in capsys.readouterr().err
@@ -320,3 +327,25 @@ def test_layer_ab_float32_is_an_exactness_check(tmp_path):
     assert (p.a, p.b) == ("triton_situ", "reference")
     assert p.rel_err < 1e-5 and p.cosine > 0.999999
     assert not any("truncates" in n for n in rep.arm("triton_situ").notes)
+
+
+@pytest.mark.parametrize("kind", ["file", "under_file"])
+def test_layer_out_unwritable_refused_before_work(tmp_path, capsys, monkeypatch, kind):
+    """An --out that is a file (or under one): one line naming --out and the path, exit 2, before
+    any weights load; the file is untouched."""
+    from k3nvfp4.sglang_ext.ab import layer as layer_mod
+
+    def boom(cfg):
+        raise AssertionError("weights loaded before the --out check")
+
+    monkeypatch.setattr(layer_mod, "_load", boom)
+    blocker = tmp_path / "outfile"
+    blocker.write_text("keep\n")
+    out = blocker if kind == "file" else blocker / "sub"
+    assert cli.main(["layer", "--synthetic", "--tokens", "8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"k3nvfp4-ab layer: error: --out {out}: ")
+    assert blocker.read_text() == "keep\n"
+    # From Python too (run_layer_ab is the demo's entry).
+    with pytest.raises(layer_mod.InputError, match="--out .*outfile"):
+        run_layer_ab(LayerABConfig(out_dir=out, synthetic=True))

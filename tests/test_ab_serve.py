@@ -227,3 +227,98 @@ def test_prompt_file_errors(tmp_path):
     bad.write_text('{"question": "q", "choices": ["a", "b"], "answer": "C"}\n')
     with pytest.raises(InputError, match="line 1: mc 'answer' must be one of AB"):
         load_prompts(bad)
+
+
+def _two_fake_arms(respond_a, respond_b=None):
+    return FakeServer(respond_a), FakeServer(respond_b or respond_a)
+
+
+@pytest.mark.parametrize("kind", ["file", "under_file"])
+def test_out_unwritable_refused_before_any_request(tmp_path, capsys, kind):
+    """An --out that is a file (or lies under one) is refused in one line, exit 2, before the
+    /v1/models check or any completion request; the file is left as it was."""
+    blocker = tmp_path / "outfile"
+    blocker.write_text("keep me\n")
+    out = blocker if kind == "file" else blocker / "sub"
+    with FakeServer(arm_responder("marlin")) as sa, FakeServer(arm_responder("triton_situ")) as sb:
+        rc = cli.main(["serve", "--arm", f"marlin={sa.url}", "--arm", f"triton_situ={sb.url}", "--no-progress",
+                       "--out", str(out)])
+        assert sa.requests == [] and sb.requests == []
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"k3nvfp4-ab serve: error: --out {out}: ")
+    assert ("exists and is not a directory" if kind == "file" else f"{blocker} is a file") in err
+    assert blocker.read_text() == "keep me\n"
+
+
+def test_preflight_failure_writes_partial(tmp_path, capsys):
+    """The pre-flight /v1/models check fails on arm B: partial.json says so (stage pre-flight),
+    nothing answered, every request missing; no report.json."""
+    with FakeServer(arm_responder("marlin")) as sa:
+        url_b = f"http://127.0.0.1:{_free_port()}"
+        rc = cli.main(["serve", "--arm", f"marlin={sa.url}", "--arm", f"triton_situ={url_b}", "--retries", "0",
+                       "--limit", "3", "--seeds", "2", "--no-progress", "--out", str(tmp_path / "o")])
+        assert sa.payloads == []
+    err = capsys.readouterr().err
+    assert rc == 2 and "arm 'triton_situ'" in err and "partial report:" in err
+    partial = json.loads((tmp_path / "o" / "partial.json").read_text())
+    assert partial["stage"] == "pre-flight" and partial["error"]["type"] == "EndpointDown"
+    assert partial["requests"] == 12 and partial["answered"] == 0 and len(partial["missing"]) == 12
+    assert {(m["arm"], m["seed"]) for m in partial["missing"]} == {(a, s) for a in ("marlin", "triton_situ") for s in (0, 1)}
+    assert (tmp_path / "o" / "completions.partial.jsonl").read_text() == ""
+    assert not (tmp_path / "o" / "report.json").exists()
+
+
+def _fixed(content, finish="stop", reasoning=None):
+    return lambda p: (200, completion(content, finish=finish, reasoning=reasoning), 0)
+
+
+def test_truncated_request_graded_on_its_answer(tmp_path):
+    """The grading rule (grading.GRADING_RULE): finish_reason does not enter the grade. Arm A's
+    answers are cut by the token budget after a right 'Answer: B' (scores 1, counted truncated);
+    arm B's are cut before any answer (score 0)."""
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text(json.dumps(PROMPTS[0]) + "\n")  # gold B
+    with FakeServer(_fixed("Answer: B and then", finish="length")) as sa, \
+            FakeServer(_fixed("", finish="length", reasoning="Let me think")) as sb:
+        assert cli.main(["serve", "--arm", f"a={sa.url}", "--arm", f"b={sb.url}", "--prompts", str(pfile),
+                         "--seeds", "2", "--no-progress", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    a, b = rep["accuracy"]["a"]["all_graded"], rep["accuracy"]["b"]["all_graded"]
+    assert a["pass@1"] == 1.0 and a["truncated_rate"] == 1.0 and a["answered_rate"] == 1.0
+    assert b["pass@1"] == 0.0 and b["truncated_rate"] == 1.0 and b["answered_rate"] == 0.0
+    assert rep["comparison"]["diff_pp"] == -100.0
+    rows = [json.loads(x) for x in (tmp_path / "o" / "completions.jsonl").read_text().splitlines()]
+    assert {(r["arm"], r["correct"], r["truncated"]) for r in rows} == {("a", True, True), ("b", False, True)}
+    summary = (tmp_path / "o" / "summary.md").read_text()
+    assert "a: every graded request was truncated" in summary and "graded on the answers given before the cut" in summary
+    assert "b: every graded request was truncated" in summary and "none gave an answer before the cut" in summary
+    assert "Nothing was graded" not in summary
+
+
+def test_nothing_graded_says_so(tmp_path):
+    """Every request of both arms truncated before an answer: the summary says nothing was graded,
+    and no comparison (no 'no difference resolved' verdict) is made."""
+    with FakeServer(_fixed("", finish="length", reasoning="Hmm")) as sa, \
+            FakeServer(_fixed("", finish="length", reasoning="Well")) as sb:
+        assert cli.main(["serve", "--arm", f"a={sa.url}", "--arm", f"b={sb.url}", "--limit", "4",
+                         "--no-progress", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert rep["comparison"] is None
+    assert all(rep["accuracy"][x]["all_graded"]["answered_rate"] == 0 for x in "ab")
+    summary = (tmp_path / "o" / "summary.md").read_text()
+    assert "**Nothing was graded: no request of either arm gave an answer" in summary and "Raise --max-tokens." in summary
+    assert "no difference resolved" not in summary and "Verdict" not in summary
+
+
+def test_free_prompts_no_empty_table(tmp_path):
+    """Prompts without gold answers: the accuracy section says nothing was graded, no empty table."""
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text(json.dumps({"id": "free-1", "prompt": "Say hi"}) + "\n")
+    with FakeServer(_fixed("hi")) as sa, FakeServer(_fixed("hello")) as sb:
+        assert cli.main(["serve", "--arm", f"a={sa.url}", "--arm", f"b={sb.url}", "--prompts", str(pfile),
+                         "--no-progress", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    summary = (tmp_path / "o" / "summary.md").read_text()
+    section = summary.split("## Accuracy (pass@1 over seeds)", 1)[1].split("\n## ", 1)[0]
+    assert section.lstrip().startswith("Nothing was graded: no prompt has a gold answer")
+    assert "| arm |" not in section

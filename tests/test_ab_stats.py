@@ -139,3 +139,32 @@ def test_speed_by_hand():
     assert sp.requests == 5 and sp.requests_without_usage == 1
     none = arm_speed([1.0], [None], [0.0], [1.0])
     assert none.tokens_per_s_per_request is None and none.aggregate_tokens_per_s is None
+
+
+def test_grading_rule_is_one_text_in_code_report_and_docs():
+    """grading.GRADING_RULE is what report.json's definitions carry and, word for word (line
+    breaks aside), what docs/ab.md states."""
+    from pathlib import Path
+
+    from k3nvfp4.sglang_ext.ab.grading import GRADING_RULE
+    from k3nvfp4.sglang_ext.ab.serve import DEFINITIONS
+
+    assert DEFINITIONS["grading"] == GRADING_RULE
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "ab.md").read_text()
+    words = " ".join(doc.replace("\n    > ", " ").split())
+    assert " ".join(GRADING_RULE.split()) in words
+
+
+@pytest.mark.parametrize("content, reasoning, finish, gold, expected", [
+    ("Answer: B", None, "length", "B", (True, True, "B", "content")),  # truncated after the answer: graded on it
+    ("Answer: C", None, "stop", "B", (False, False, "C", "content")),
+    ("", "Answer: B ... and more", "length", "B", (True, True, "B", "reasoning_content")),  # content empty
+    ("", "still thinking", "length", "B", (False, True, None, None)),  # cut before any answer: 0
+    ("Answer: B", None, "stop", None, (None, False, "B", "content")),  # no gold answer: not graded
+])
+def test_grade_by_the_rule(content, reasoning, finish, gold, expected):
+    from k3nvfp4.sglang_ext.ab.grading import grade
+    from k3nvfp4.sglang_ext.ab.prompts import Prompt
+
+    g = grade(Prompt("q", "mc", "text", gold, 4), content, reasoning, finish)
+    assert (g.correct, g.truncated, g.answer, g.answer_source) == expected

@@ -202,7 +202,8 @@ def _set_group_size(src: Path, size: int) -> None:
 @pytest.mark.parametrize("case", ["invalid_index_json", "group_size_16", "output_is_a_file"])
 def test_refused_inputs_are_named(src, tmp_path, capsys, case, workers):
     """Refusals before any work, with the single process and with the pool: the file and what
-    is wrong with it, exit 1, no output directory made (or the file left as it was)."""
+    is wrong with it, exit 1 (an --output-ckpt that cannot be a directory: exit 2, the usage error it is,
+    checked before the source is read), no output directory made (or the file left as it was)."""
     out = tmp_path / "out"
     if case == "invalid_index_json":
         (src / "model.safetensors.index.json").write_text("{not json")
@@ -217,7 +218,7 @@ def test_refused_inputs_are_named(src, tmp_path, capsys, case, workers):
     capsys.readouterr()
     rc = main(["--source_ckpt", str(src), "--output_ckpt", str(out), "--workers", workers, "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 1 and all(e in err for e in expected), err
+    assert rc == (2 if case == "output_is_a_file" else 1) and all(e in err for e in expected), err
     assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == before
     if case == "output_is_a_file":
         assert out.read_text() == "keep me"
@@ -361,3 +362,47 @@ def test_missing_source_is_named_with_the_documented_spelling(tmp_path, capsys):
         assert rc == 1, err
         assert f"--source-ckpt {tmp_path / 'nope'}: not a directory" in err and "--source_ckpt" not in err
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_other_source_refusal_names_the_old_source(src, tmp_path, capsys, monkeypatch, finished):
+    """Issue 40: refusing an output cast from another source listed every per-shard change but
+    never the source it was cast from. Now: the old source path and the new, and at most four
+    clauses with a count of the rest."""
+    from k3nvfp4.checkpoint import convert
+
+    other = write_synthetic_checkpoint(tmp_path / "other", num_layers=2, num_experts=2, hidden_size=64,
+                                       intermediate_size=32, num_shards=2, model_hidden_size=64, seed=9)
+    out = tmp_path / "out"
+    args = ["--output-ckpt", str(out), "--workers", "1", "--no-progress"]
+    if not finished:  # stop after the first shard: an unfinished cast whose state names its source
+        real = convert.cast_shard
+        calls = []
+
+        def stop(task):
+            calls.append(1)
+            if len(calls) > 1:
+                raise KeyboardInterrupt
+            return real(task)
+
+        monkeypatch.setattr(convert, "cast_shard", stop)
+        assert main(["--source-ckpt", str(src), *args]) == 130
+        monkeypatch.setattr(convert, "cast_shard", real)
+    else:
+        assert main(["--source-ckpt", str(src), *args]) == 0
+    capsys.readouterr()
+    assert main(["--source-ckpt", str(other), *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[0]
+    what = "a finished cast" if finished else "an unfinished cast"
+    assert err.startswith(f"k3nvfp4-cast: error: --output-ckpt {out}: {what} of {src.resolve()}, not of this "
+                          f"--source-ckpt {other.resolve()} ("), err
+    assert err.count(";") <= 5 and "pass --overwrite" in err
+
+
+def test_clauses_are_capped():
+    from k3nvfp4.checkpoint.convert import _clauses
+
+    assert _clauses([]) == "unknown change"
+    assert _clauses(["a", "b"]) == "a; b"
+    assert _clauses([f"source s{i} changed" for i in range(11)]) == (
+        "source s0 changed; source s1 changed; source s2 changed; source s3 changed; and 7 more change(s)")

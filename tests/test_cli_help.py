@@ -50,3 +50,21 @@ def test_ab_without_a_command_prints_its_help(capsys):
     assert ab_cli.main([]) == 2
     err = capsys.readouterr().err
     assert "layer-level A/B of one MoE layer" in err and "server-level A/B" in err and "usage: k3nvfp4-ab" in err
+
+
+def test_no_help_shows_an_empty_default(capsys):
+    """Issue 40: `--arm` read '(default: [])'. No option of any tool shows an empty default."""
+    from k3nvfp4.sglang_ext import selfcheck  # noqa: F401  (its parser is the model check's)
+    from k3nvfp4.sglang_ext.model_check import cli as model_cli
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="x")
+    model_cli.add_arguments(ap)
+    texts = [_help(ab_cli.main, ["serve", "--help"], capsys), _help(ab_cli.main, ["layer", "--help"], capsys),
+             _help(lambda a: tune.build_parser().parse_args(a), ["--help"], capsys),
+             _help(synthetic.main, ["--help"], capsys),
+             _help(lambda a: cast_cli.build_parser().parse_args(a), ["--help"], capsys),
+             _help(ap.parse_args, ["--help"], capsys)]
+    for text in texts:
+        assert not re.search(r"\(default: (\[\]|None|)\)", text), text
+    assert "--arm NAME=URL an endpoint, twice" in texts[0]

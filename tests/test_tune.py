@@ -271,8 +271,8 @@ def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch, capsys):
     # cursor-movement codes); the final one says the one batch size left is done.
     err = capsys.readouterr().err
     assert "\r" not in err and "\x1b" not in err, repr(err[-300:])
-    assert [ln for ln in err.splitlines() if ln.startswith("batch sizes: ")][-1].startswith(
-        "batch sizes: 1 M of 1 M (100%)") and err.rstrip().endswith("| M=3 (done)"), err
+    assert [ln for ln in err.splitlines() if ln.startswith("tuning: ")][-1].startswith(
+        "tuning: 1 of 1 batch sizes (100%)") and err.rstrip().endswith("| M=3 (done)"), err
     assert final.is_file() and not partial.exists()
     assert sorted(p.name for p in out_dir.iterdir()) == [final.name]
 

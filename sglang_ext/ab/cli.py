@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from ...common.cli import HelpFormatter
-from .errors import ABError
+from ...common.outputs import OutputPathError, check_output_dir
+from .errors import ABError, InputError
 
 
 def _arm(s: str) -> tuple[str, str]:
@@ -47,7 +48,9 @@ def _add_layer(sub) -> None:
                    help="comma list of arms to try (default reference,triton_situ,marlin,flashinfer; with an MXFP4 --ckpt "
                         "also triton_situ_cast: the same kernels on the cast of those experts)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per arm (default 5 on GPU, 1 on CPU)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per arm, after one untimed warm-up run (the compared one); default 5. Arms in "
+                        "the Triton interpreter (CPU) are not timed")
     p.add_argument("--out", type=Path, required=True, help="output directory (report.json, summary.md, PNGs)")
     p.add_argument("--no-plots", action="store_true",
                    help="write report.json and summary.md only (without matplotlib the plots are skipped anyway)")
@@ -62,7 +65,7 @@ def _add_serve(sub) -> None:
                        description="Send the same prompts to two SGLang servers (one per MoE backend) and compare "
                                    "greedy outputs token by token and pass@1 over seeds. Without --arm (or with "
                                    "--print-launch) it prints the two launch commands it expects.")
-    p.add_argument("--arm", type=_arm, action="append", default=[], metavar="NAME=URL",
+    p.add_argument("--arm", type=_arm, action="append", default=None, metavar="NAME=URL",
                    help="an endpoint, twice; the first is the baseline (e.g. marlin=http://host:30000)")
     p.add_argument("--print-launch", action="store_true", help="print the expected sglang launch commands and exit")
     p.add_argument("--model-path", default="/path/to/kimi-k3-nvfp4", help="checkpoint shown in --print-launch")
@@ -70,7 +73,7 @@ def _add_serve(sub) -> None:
                                                        "not fit 8 GPUs)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size in --print-launch (default: none)")
     p.add_argument("--nnodes", type=int, default=2, help="nodes the ranks span, in --print-launch (default 2)")
-    p.add_argument("--extra-args", default="", help="flags appended to both launch commands")
+    p.add_argument("--extra-args", default="", help="flags appended to both launch commands (default: none)")
     p.add_argument("--model", default=None, help="model name sent in requests (default: each server's first /v1/models id)")
     p.add_argument("--prompts", default=None,
                    help="prompt file: the project's JSONL, GPQA's CSV (e.g. gpqa_diamond.csv) or NeMo-Skills' prepared "
@@ -123,6 +126,7 @@ def _serve(args) -> int:
         return 0
     if args.out is None:
         raise ABError("serve: --out DIR is required")
+    _check_out(args.out)  # before any request: a run of hours must not fail at its end
     if args.bootstrap_resamples < 1:
         raise ABError(f"serve: --bootstrap-resamples must be >= 1, got {args.bootstrap_resamples}")
     cfg = ServeConfig(arms=args.arm, out_dir=args.out, model=args.model, prompts=args.prompts,
@@ -139,7 +143,16 @@ def _serve(args) -> int:
     return 0
 
 
+def _check_out(out: Path) -> None:
+    """--out must be a directory this run can write, checked before any work (common.outputs)."""
+    try:
+        check_output_dir(out, "--out")
+    except OutputPathError as e:
+        raise InputError(str(e)) from None
+
+
 def _layer(args, as_script: bool) -> int:
+    _check_out(args.out)  # before the weights load (and before the interpreter re-run)
     if as_script and args.device in (None, "cpu"):
         # Without CUDA the kernels must run in the interpreter, chosen when they are defined.
         from k3nvfp4.kernels.interpreter import rerun_with_interpreter

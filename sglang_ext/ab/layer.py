@@ -20,12 +20,16 @@ import torch
 from k3nvfp4.checkpoint.layer import NVFP4MoELayer
 
 from ...common.files import write_text_atomic
+from ...common.outputs import OutputPathError, check_output_dir
 from . import plots
 from .arms import ARM_NAMES, ArmUnavailable, arm_pairs, build_arm, default_arms
 from .errors import InputError
 from .layer_inputs import load_activations, load_checkpoint_layer, realistic_routed_inputs, synthetic_layer
 from .metrics import PairMetrics, compare_outputs
 from .report import fmt, markdown_table, write_json
+
+DEFAULT_REPEATS = 5  # timed runs per arm after its warm-up
+
 
 @dataclass
 class LayerABConfig:
@@ -53,9 +57,10 @@ class LayerABConfig:
 class ArmResult:
     name: str
     status: str  # "ok", "not available: <reason>" or "failed: <error>"
-    times_ms: list[float] = field(default_factory=list)
+    times_ms: list[float] = field(default_factory=list)  # the timed runs, after one untimed warm-up run
     notes: list[str] = field(default_factory=list)
     output_rms: float | None = None
+    timing: str = ""  # how the times were taken, and the caveat that goes with them (the table's "timing")
 
     @property
     def ok(self) -> bool:
@@ -93,8 +98,9 @@ class LayerABReport:
                  f"tokens {s['tokens']}, top-k {s['top_k']}, E {s['num_experts']}, H {s['hidden_size']}, "
                  f"I {s['intermediate_size']}, {s['dtype']}, activation {s['activation']}, device {s['device']}",
                  f"inputs: {s['inputs']}", "", "## Arms", "",
-                 markdown_table(["arm", "status", "median time (ms)", "output RMS"],
-                                [[a.name, a.status, fmt(a.median_ms, ".3f"), fmt(a.output_rms, ".4g")] for a in self.arms])]
+                 markdown_table(["arm", "status", "median time (ms)", "timing", "output RMS"],
+                                [[a.name, a.status, fmt(a.median_ms, ".3f"), a.timing or "–", fmt(a.output_rms, ".4g")]
+                                 for a in self.arms])]
         notes = [f"- {a.name}: {n}" for a in self.arms for n in a.notes]
         if notes:
             lines += ["", *notes]
@@ -118,8 +124,11 @@ DEFINITIONS = {
                    "2^-133 below bf16's smallest normal",
     "per_expert": "errors over the output rows of the tokens routed to each expert (tokens count under each of "
                   "their top-k experts)",
-    "timings": "median wall time of repeated runs after one warm-up on CUDA (torch.cuda.synchronize); on CPU "
-               "the single compared run (interpreter timings are not meaningful)",
+    "timings": "median wall time of the arm's timed runs (times_ms, --repeats of them: default 5), each after the "
+               "compared run, which is the untimed warm-up (first-call compilation and allocation); on CUDA between "
+               "torch.cuda.synchronize calls. On CPU: a plain-torch arm is timed the same way, on this CPU (no "
+               "indication of GPU speed); an arm in the Triton interpreter is not timed (its wall time measures the "
+               "interpreter, not the kernel). Each arm's 'timing' says which applies.",
 }
 
 
@@ -138,25 +147,48 @@ def _load(cfg: LayerABConfig) -> NVFP4MoELayer:
     return ex
 
 
+def _interpreted(name: str, device: torch.device) -> bool:
+    """The Triton arms (triton_situ, triton_situ_cast, triton_situ:<mode>) run in Triton's
+    interpreter off CUDA (arms.py); the reference is plain torch, marlin and flashinfer CUDA only."""
+    return device.type != "cuda" and name.startswith("triton_situ")
+
+
+def _timing_note(name: str, device: torch.device, repeats: int) -> str:
+    """The table's "timing" cell of an arm that ran: how it was timed and what the time means."""
+    if _interpreted(name, device):
+        return "not timed: Triton interpreter on CPU (its time is the interpreter's, not the kernel's)"
+    if repeats == 0:
+        return "not timed (--repeats 0)"
+    runs = f"{repeats} run{'s' if repeats != 1 else ''} after a warm-up"
+    return f"{runs}, CUDA" if device.type == "cuda" else f"{runs}, on CPU: says nothing of GPU speed"
+
+
 def _time(run, x, tw, ids, device: torch.device, repeats: int) -> tuple[torch.Tensor, list[float]]:
+    """(the output of a first, untimed run: the compared one and the warm-up; ``repeats`` wall
+    times in ms of the runs after it, synchronised on CUDA)."""
     cuda = device.type == "cuda"
-    t0 = time.perf_counter()
-    out = run(x, tw, ids)  # first call: the output compared (and the warm-up on CUDA)
-    if not cuda:  # one run; only indicative (the interpreter is orders of magnitude slower)
-        return out, [1e3 * (time.perf_counter() - t0)]
+    out = run(x, tw, ids)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         run(x, tw, ids)
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append(1e3 * (time.perf_counter() - t0))
     return out, times
 
 
 def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
     """Run the layer A/B and (when cfg.out_dir is set) write its report files. Raises ABError
-    on input problems (missing checkpoint/layer, bad activation file, unknown arm)."""
+    on input problems (missing checkpoint/layer, bad activation file, unknown arm, an out_dir
+    that cannot be written: checked before any work)."""
+    if cfg.out_dir is not None:
+        try:
+            check_output_dir(cfg.out_dir, "--out")
+        except OutputPathError as e:
+            raise InputError(str(e)) from None
     for a in cfg.arms or ():
         if a not in ARM_NAMES:
             raise InputError(f"--arms: unknown arm {a!r}; choose from {', '.join(ARM_NAMES)}")
@@ -173,7 +205,9 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
     else:
         inp = realistic_routed_inputs(cfg.tokens, w.hidden_size, w.num_experts, ex.top_k, seed=cfg.seed, dtype=dtype)
     x, tw, ids = inp.hidden_states.to(device), inp.topk_weights.to(device), inp.topk_ids.to(device)
-    repeats = cfg.repeats if cfg.repeats is not None else (5 if device.type == "cuda" else 1)
+    repeats = cfg.repeats if cfg.repeats is not None else DEFAULT_REPEATS
+    if repeats < 0:
+        raise InputError(f"--repeats must be >= 0, got {repeats}")
 
     results: list[ArmResult] = []
     outputs: dict[str, torch.Tensor] = {}
@@ -187,14 +221,15 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
             results.append(ArmResult(name, f"not available: {type(e).__name__}: {e}"))
             continue
         try:
-            out, times = _time(run, x, tw, ids, device, repeats)
+            out, times = _time(run, x, tw, ids, device, 0 if _interpreted(name, device) else repeats)
         except Exception as e:  # noqa: BLE001 - a crashing arm is reported, the others still run
             if name == "reference":
                 raise
             results.append(ArmResult(name, f"failed: {type(e).__name__}: {str(e)[:300]}", notes=notes))
             continue
         outputs[name] = out
-        results.append(ArmResult(name, "ok", times, notes, float(out.double().pow(2).mean().sqrt())))
+        results.append(ArmResult(name, "ok", times, notes, float(out.double().pow(2).mean().sqrt()),
+                                 _timing_note(name, device, repeats)))
 
     pairs = [compare_outputs(outputs[a], outputs[b], ids, w.num_experts, name_a=a, name_b=b)
              for a, b in arm_pairs() if a in outputs and b in outputs]
@@ -204,7 +239,8 @@ def run_layer_ab(cfg: LayerABConfig) -> LayerABReport:
              "situ_linear_beta": ex.situ_linear_beta, "routed_scaling_factor": ex.routed_scaling_factor,
              "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
              "seed": cfg.seed, "torch": torch.__version__, "python": platform.python_version(),
-             "triton_interpret": device.type != "cuda"}
+             "triton_interpret": device.type != "cuda",
+             "timing": {"warmup_runs": 1, "timed_runs": repeats, "interpreted_arms_timed": False}}
     try:
         import triton
 

@@ -6,11 +6,14 @@ agreement and token-level agreement. Seeds 1..n-1 sample with temperature 0.6, t
 majority@N, truncated and empty-answer rates (stats.py), and the speed of the same requests
 (speed.py); between the arms, the paired difference with its standard error, a bootstrap
 interval over questions, McNemar counts of the greedy pass and a verdict (stats.py). Prompts:
-the project's JSONL, GPQA's CSV or NeMo-Skills' GPQA JSONL (datasets.py). Truncated completions
-(finish_reason "length") are counted separately from wrong answers. A run stopped by an
-environment error (a server down, a timeout after the retries, an HTTP error, a malformed
-answer) writes partial.json instead of report.json: the error, the requests answered and every
-missing (arm, seed, prompt).
+the project's JSONL, GPQA's CSV or NeMo-Skills' GPQA JSONL (datasets.py). Each request is graded
+by grading.py (GRADING_RULE: the extracted answer against the gold one, whatever the
+finish_reason, as NeMo-Skills grades); truncated completions (finish_reason "length") are
+counted beside the score. A run stopped by an environment error from the pre-flight check of the
+endpoints on (a server down, a timeout after the retries, an HTTP error, a malformed answer)
+writes partial.json instead of report.json: the error, the stage, the requests answered and
+every missing (arm, seed, prompt). Bad input (a prompt file, a template, an --out that cannot be
+written) is refused before that, and writes nothing.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...common.files import write_text_atomic
+from ...common.outputs import OutputPathError, check_output_dir
 from ...common.progress import progress_bar
 from . import plots
 from .client import ChatClient, Completion
 from .datasets import load_prompt_set
-from .errors import ABError
-from .prompts import Prompt, final_answer_key, response_answer
+from .errors import ABError, InputError
+from .grading import GRADING_RULE, grade
+from .prompts import Prompt, final_answer_key
 from .report import fmt, markdown_table, write_json
 from .serve_metrics import pass_at_1, summarize_agreements, token_agreement
 from .speed import arm_speed
@@ -106,13 +111,17 @@ DEFINITIONS = {
                          "(commas/$ stripped, 42.0 == 42), else the last \\boxed{N}",
     "final_answer_match": "both arms' extracted answers equal; when an arm has no extractable answer, its "
                           "whitespace-normalised graded text is compared instead",
-    "pass@1": "pass@1[avg-of-N]: mean over the N seeds of the per-seed accuracy on graded prompts (truncated and "
-              "unanswered requests score 0); seed 0 greedy (temperature 0), seeds >= 1 temperature 0.6, top_p 0.95, "
+    "grading": GRADING_RULE,
+    "pass@1": "pass@1[avg-of-N]: mean over the N seeds of the per-seed accuracy on graded prompts (each request "
+              "graded by the 'grading' rule); seed 0 greedy (temperature 0), seeds >= 1 temperature 0.6, top_p 0.95, "
               "request seed = seed index; std = sample std of the per-seed accuracies (ddof=1; 0 for one seed), "
               "sem = std / sqrt(N) (NeMo-Skills' std_err_across_runs; null for one seed)",
     "majority@N": "per question the most common extracted answer over its N requests (unanswered ones left out; "
                   "none: 0; a tie scores the mean correctness of the tied answers, as NeMo-Skills), mean over questions",
-    "truncated": "finish_reason == 'length'; reported apart from wrong answers (wrong_rate excludes truncated)",
+    "truncated": "finish_reason == 'length'; truncated_rate counts them whatever their grade; wrong_rate and "
+                 "no_answer_rate leave them out (a truncated request with a right answer counts in pass@1)",
+    "answered_rate": "share of requests with an extractable answer (truncated ones included); 0 means nothing was "
+                     "graded in substance: every score is 0 by rule, and no comparison is made",
     "empty_answer_rate": "share of requests without an extractable answer, truncated ones included "
                          "(no_answer_rate: the same without the truncated ones)",
     "comparison": "B = the second arm against A = the first, all graded prompts, paired on questions and seeds; "
@@ -205,21 +214,33 @@ def _config_dict(cfg: ServeConfig) -> dict:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
 
 
-def _write_partial(cfg: ServeConfig, jobs: list, comps: dict[tuple, Completion], error: ABError) -> Path:
-    """partial.json (what failed, what was answered, every missing request) and the answered
-    completions, for a run stopped by an environment error. report.json is not written."""
+def _write_partial(cfg: ServeConfig, keys: list[tuple], comps: dict[tuple, Completion], error: ABError,
+                   stage: str) -> Path:
+    """partial.json (what failed, at which stage, what was answered, every missing request) and
+    the answered completions, for a run stopped by an environment error. report.json is not
+    written. keys: every request's (arm, seed, prompt id); stage: "pre-flight" (the endpoints'
+    /v1/models check, before any request) or "requests"."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    missing = [{"arm": arm, "seed": seed, "prompt_id": pid} for _, _, (arm, seed, pid) in jobs
+    missing = [{"arm": arm, "seed": seed, "prompt_id": pid} for arm, seed, pid in keys
                if (arm, seed, pid) not in comps]
     answered = [{"arm": arm, "seed": seed, "prompt_id": pid, "finish_reason": c.finish_reason, "content": c.content,
                  "completion_tokens": c.completion_tokens} for (arm, seed, pid), c in sorted(comps.items())]
     write_text_atomic(out / "completions.partial.jsonl", "".join(json.dumps(a) + "\n" for a in answered))
     path = out / "partial.json"
-    write_json(path, {"complete": False, "error": {"type": type(error).__name__, "message": str(error)},
-                      "requests": len(jobs), "answered": len(comps), "missing": missing,
+    write_json(path, {"complete": False, "stage": stage,
+                      "error": {"type": type(error).__name__, "message": str(error)},
+                      "requests": len(keys), "answered": len(comps), "missing": missing,
                       "files": {"completions": "completions.partial.jsonl"}, "config": _config_dict(cfg)})
     return path
+
+
+def _stop_with_partial(cfg: ServeConfig, keys: list[tuple], comps: dict[tuple, Completion], error: ABError,
+                       stage: str) -> None:
+    """Write partial.json and re-raise ``error`` (its type kept) with where the partial report is."""
+    path = _write_partial(cfg, keys, comps, error, stage)
+    raise type(error)(f"{error}\npartial report: {path} ({len(comps)} of {len(keys)} requests answered; "
+                      "partial.json lists the missing ones; no report.json)") from error
 
 
 def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
@@ -231,41 +252,46 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
         raise ABError(f"the two arms need different names, both are {cfg.arms[0][0]!r}")
     if cfg.seeds < 1:
         raise ABError(f"--seeds must be >= 1, got {cfg.seeds}")
+    try:  # before any request: a run of hours must not fail when it writes its report
+        check_output_dir(cfg.out_dir, "--out")
+    except OutputPathError as e:
+        raise InputError(str(e)) from None
     pset = load_prompt_set(cfg.prompts, cfg.prompts_format, choice_seed=cfg.choice_seed,
                            template_path=cfg.prompt_template, limit=cfg.limit)
     prompts = pset.prompts
     clients = [ChatClient(n, u, timeout_s=cfg.timeout_s, retries=cfg.retries, backoff_s=cfg.backoff_s)
                for n, u in cfg.arms]
+    keys = [(c.name, s, p.id) for s in range(cfg.seeds) for c in clients for p in prompts]
+    comps: dict[tuple, Completion] = {}
     arms_info: dict[str, dict] = {}
-    for c in clients:  # reachability check before queueing hundreds of requests
-        served = c.models()
-        model = cfg.model or (served[0] if served else None)
-        if model is None:
-            raise ABError(f"arm '{c.name}' ({c.base_url}) serves no model and --model was not given")
-        arms_info[c.name] = {"url": c.base_url, "model": model, "served_models": served}
+    try:
+        for c in clients:  # reachability check before queueing hundreds of requests
+            served = c.models()
+            model = cfg.model or (served[0] if served else None)
+            if model is None:
+                raise ABError(f"arm '{c.name}' ({c.base_url}) serves no model and --model was not given")
+            arms_info[c.name] = {"url": c.base_url, "model": model, "served_models": served}
+    except ABError as e:
+        _stop_with_partial(cfg, keys, comps, e, "pre-flight")
 
     jobs = [(c, _payload(cfg, arms_info[c.name]["model"], p, s), (c.name, s, p.id))
             for s in range(cfg.seeds) for c in clients for p in prompts]
     t0 = time.perf_counter()
-    comps: dict[tuple, Completion] = {}
     try:
         _run_all(jobs, cfg.concurrency, cfg.progress, comps)
     except ABError as e:
-        path = _write_partial(cfg, jobs, comps, e)
-        raise type(e)(f"{e}\npartial report: {path} ({len(comps)} of {len(jobs)} requests answered; "
-                      "partial.json lists the missing ones; no report.json)") from e
+        _stop_with_partial(cfg, keys, comps, e, "requests")
     wall = time.perf_counter() - t0
 
     results: dict[tuple, RequestResult] = {}
     by_id = {p.id: p for p in prompts}  # ids are unique (load_prompt_set)
     for (arm, seed, pid), comp in comps.items():
-        p = by_id[pid]
-        ans, source = response_answer(comp.content, comp.reasoning_content, p.kind, p.num_choices)
+        gr = grade(by_id[pid], comp.content, comp.reasoning_content, comp.finish_reason)  # the one grading rule
         start = comp.started_s - t0  # the span speed.py's aggregate rate divides by
         results[(arm, seed, pid)] = RequestResult(
-            arm, seed, pid, comp.finish_reason, ans, source, None if p.answer is None else ans == p.answer,
-            comp.finish_reason == "length", comp.completion_tokens, len(comp.content or ""),
-            len(comp.reasoning_content or ""), comp.latency_s, start, start + comp.latency_s)
+            arm, seed, pid, comp.finish_reason, gr.answer, gr.answer_source, gr.correct, gr.truncated,
+            comp.completion_tokens, len(comp.content or ""), len(comp.reasoning_content or ""), comp.latency_s,
+            start, start + comp.latency_s)
 
     a, b = clients[0].name, clients[1].name
     # Greedy pass (seed 0): answer agreement and token-level agreement.
@@ -323,12 +349,15 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
                                "metric_names": {"pass@1": f"pass@1[avg-of-{cfg.seeds}]",
                                                 "majority": f"majority@{cfg.seeds}"},
                                "wrong_rate": wrong / n, "truncated_rate": st.truncated_rate, "no_answer_rate": noans / n,
-                               "empty_answer_rate": st.empty_answer_rate}
+                               "empty_answer_rate": st.empty_answer_rate, "answered_rate": 1 - st.empty_answer_rate}
             if subset == "all_graded":
                 grades[c.name] = (correct, st.sem)
         accuracy[c.name] = arm_acc
     comparison = None
-    if len(grades) == 2:
+    if len(grades) == 2 and all(accuracy[x]["all_graded"]["answered_rate"] == 0 for x in grades):
+        # Every score is 0 by rule, none measured: a "no difference resolved" verdict would read as a result.
+        pass
+    elif len(grades) == 2:
         comparison = compare(a, b, grades[a][0], grades[b][0], grades[a][1], grades[b][1],
                              resamples=cfg.bootstrap_resamples, seed=cfg.bootstrap_seed).to_dict()
         comparison["subset"] = "all_graded"
@@ -366,19 +395,7 @@ def summary_markdown(rep: ServeABReport) -> str:
                  ["mean top-k KL (nats, approx.)", fmt(g["mean_topk_kl"], ".3g")],
                  ["aligned positions", g["aligned_positions"]],
              ]), "", "## Accuracy (pass@1 over seeds)", ""]
-    n = rep.config["seeds"]
-    rows = []
-    for arm, acc in rep.accuracy.items():
-        for subset in ("all_graded", "mc", "arith"):
-            if subset in acc:
-                s = acc[subset]
-                rows.append([arm, subset, s["prompts"], f"{100*s['pass@1']:.2f}", f"{100*s['std']:.2f}", _pct(s["sem"]),
-                             f"{100*s['majority']:.2f}", f"{100*s['wrong_rate']:.2f}", f"{100*s['truncated_rate']:.2f}",
-                             f"{100*s['no_answer_rate']:.2f}", f"{100*s['empty_answer_rate']:.2f}"])
-    lines.append(f"pass@1[avg-of-{n}] and majority@{n} over {n} seed(s) (seed 0 greedy); SEM = std over seeds / "
-                 f"sqrt({n}).")
-    lines += ["", markdown_table(["arm", "set", "prompts", "pass@1 %", "std %", "SEM %", f"majority@{n} %", "wrong %",
-                                  "truncated %", "no answer %", "empty answer %"], rows)]
+    lines += _accuracy_lines(rep)
     c = rep.comparison
     if c is not None:
         m = c["mcnemar"]
@@ -411,6 +428,44 @@ def summary_markdown(rep: ServeABReport) -> str:
                                   "aggregate tokens/s", "completion tokens", "wall span s"], srows)]
     lines += ["", "Definitions: see report.json `definitions`.", ""]
     return "\n".join(lines)
+
+
+def _accuracy_lines(rep: ServeABReport) -> list[str]:
+    """The accuracy section's text below its heading: the table, or why nothing was graded."""
+    n = rep.config["seeds"]
+    graded = {arm: acc["all_graded"] for arm, acc in rep.accuracy.items() if "all_graded" in acc}
+    if not graded:
+        return ["Nothing was graded: no prompt has a gold answer (free prompts), so there is no accuracy and no "
+                "comparison; the greedy pass above is the whole A/B."]
+    rows = []
+    for arm, acc in rep.accuracy.items():
+        for subset in ("all_graded", "mc", "arith"):
+            if subset in acc:
+                s = acc[subset]
+                rows.append([arm, subset, s["prompts"], f"{100*s['pass@1']:.2f}", f"{100*s['std']:.2f}", _pct(s["sem"]),
+                             f"{100*s['majority']:.2f}", f"{100*s['wrong_rate']:.2f}", f"{100*s['truncated_rate']:.2f}",
+                             f"{100*s['no_answer_rate']:.2f}", f"{100*s['empty_answer_rate']:.2f}"])
+    lines = [f"pass@1[avg-of-{n}] and majority@{n} over {n} seed(s) (seed 0 greedy); SEM = std over seeds / "
+             f"sqrt({n}). Grading: a request scores by its extracted answer, whatever its finish_reason; none "
+             "scores 0 (report.json `definitions.grading`)."]
+    lines += ["", markdown_table(["arm", "set", "prompts", "pass@1 %", "std %", "SEM %", f"majority@{n} %", "wrong %",
+                                  "truncated %", "no answer %", "empty answer %"], rows)]
+    notes = []
+    for arm, s in graded.items():
+        if s["truncated_rate"] == 1:
+            notes.append(f"{arm}: every graded request was truncated (finish_reason \"length\", --max-tokens "
+                         f"{rep.config['max_tokens']})" + ("; none gave an answer before the cut." if s["answered_rate"] == 0
+                                                           else "; graded on the answers given before the cut."))
+        elif s["answered_rate"] == 0:
+            notes.append(f"{arm}: no graded request gave an extractable answer.")
+    if all(s["answered_rate"] == 0 for s in graded.values()):
+        notes.append("**Nothing was graded: no request of " + ("either arm" if len(graded) > 1 else "the arm") +
+                     " gave an answer, so every score above is 0 by rule, not a measured accuracy, and no comparison "
+                     "is made.**" + (" Raise --max-tokens." if any(s["truncated_rate"] > 0 for s in graded.values())
+                                     else ""))
+    if notes:
+        lines += ["", *notes]
+    return lines
 
 
 def _pct(x: float | None) -> str:

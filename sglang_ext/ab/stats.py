@@ -1,8 +1,9 @@
 """Accuracy statistics of the serve A/B: per arm, and paired between two arms.
 
 Inputs are per (question, seed) grades: ``correct`` float [Q, N] in {0, 1} (Q graded
-questions, N seeds; a truncated or unanswered request is 0), the extracted answers [Q][N]
-(str or None) and ``truncated`` bool [Q, N]. Seed 0 is the greedy request.
+questions, N seeds; each grade is grading.grade's, by grading.GRADING_RULE: the extracted answer
+against the gold one whatever the finish_reason, 0 without an answer), the extracted answers
+[Q][N] (str or None) and ``truncated`` bool [Q, N]. Seed 0 is the greedy request.
 
 Per arm (NeMo-Skills' definitions, nemo_skills/evaluation/metrics/base.py, which the model
 card's harness computes):

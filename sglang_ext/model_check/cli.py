@@ -97,6 +97,14 @@ def main(argv: Sequence[str] | None = None, ap: argparse.ArgumentParser | None =
     for m in args.model:
         if not (m / "config.json").is_file():
             ap.error(f"--model {m}: no config.json there (expected a k3nvfp4-cast output or the MXFP4 release)")
+    if args.json is not None:
+        from ...common.outputs import OutputPathError, check_output_file
+
+        try:  # before the checks, which load SGLang and the checkpoint
+            check_output_file(args.json, "--json")
+        except OutputPathError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
     rsf = None if args.routed_scaling_factor == "keep" else float(args.routed_scaling_factor)
     options = [
         CheckOptions(ckpt=m.resolve(), tp_size=tp, ep_size=ep, num_layers=args.layers, routed_scaling_factor=rsf,
