@@ -1,13 +1,14 @@
 """The plugin's MoE backends in real SGLang server processes, on CPU: the synthetic Kimi-K3
 checkpoint, cast to NVFP4 and as the MXFP4 release, served over HTTP, and a server A/B through
-the MoE layer.
+the MoE layer on prompts of more than 512 tokens, decided by the A/B's own verdict.
 
-``python -m sglang.launch_server`` (tests/real_server.py, the production command builder's
-arguments plus CPU flags) loads the checkpoint with the k3nvfp4 plugin, found through its entry
-point in the spawned scheduler; the Triton MoE kernels run in Triton's interpreter. A test hook in
-tests/fixtures/sglang_cpu/sitecustomize.py records every fused_moe_nvfp4 call of the server's
-processes: that the MoE layers are served by the project's kernels, with which weight layout,
-and SGLang's loading timeout as the plugin set it from K3NVFP4_LOAD_TIMEOUT_S.
+Every server is started with the documented CPU command, ``python -P -m
+k3nvfp4.sglang_ext.cpu_server`` (tests/real_server.py): the production launch for one node plus
+the CPU flags and workarounds, the plugin found through its entry point in the spawned scheduler,
+the Triton MoE kernels in Triton's interpreter. Its diagnostic hook (K3NVFP4_RECORD_MOE_CALLS)
+records every fused_moe_nvfp4 call of the server's processes: that the MoE layers are served by
+the project's kernels, with which weight layout, finite, and SGLang's loading timeout as the
+plugin set it from K3NVFP4_LOAD_TIMEOUT_S.
 
 Three servers, started together once for the module (one K3 server takes about 80 s of 2-core
 time to start; started together they share the cores):
@@ -16,26 +17,22 @@ time to start; started together they share the cores):
   torch, its own decode of the release's nibbles and E8M0 exponents, no Triton, no kernel layout);
 - ``perturbed``: the release on ``triton_situ`` (its own E8M0_32 layout) with
   ``activation_situ_beta`` 4.0 -> PERTURBED_BETA in a copy of its config.json: the negative control.
-``k3nvfp4-ab serve`` (greedy, logprobs) compares reference vs nvfp4, two implementations AND two
-checkpoints (the cast is exact, so the same model): they must agree within the bound below; and
-reference vs perturbed: reported divergent, with the first divergent position.
+``k3nvfp4-ab serve --fail-on-divergence`` (greedy, logprobs) compares reference vs nvfp4, two
+implementations AND two checkpoints (the cast is exact, so the same model): verdict agree, exit 0;
+then reference vs perturbed: verdict diverge, exit 1. The two runs share the reference server one
+after the other with different batching, and its streams must come out the same in both.
 The synthetic model has no MLA layer (two layers: dense, then KDA + MoE), so SGLang's MLA decode
-kernels are not reached.
+kernels are not reached. Prompts past one 16-token KDA sub-chunk came back NaN before the CPU
+workaround ``_interpreter_bf16_dot`` (docs/serving.md); the long prompts keep it proven.
 
-The bound (DLOGPROB_BOUND). On CPU the servers run fp16 (K3_CPU_FLAGS). Both backends compute
-the same real-valued MoE with fp32 dots; they differ by the order of the fp32 sums (relative
-1e-6) and, through it, by a rounding step of the fp16 intermediate or output now and then (the
-interpreter also truncates where a GPU rounds). So the layer outputs differ by about one fp16
-ulp, 2^-11 relative. The MoE is the last layer: the difference reaches no later position, only
-this position's logits through the final norm and lm_head, which round to fp16 again. The
-logprob of a token moves by at most twice the largest logit change, and a logit of magnitude
-up to 8 (this model's range; top logprobs near -log 256) has an fp16 ulp of 2^-8 = 0.0039: a
-few such ulps, DLOGPROB_BOUND = 0.02 nats, and no greedy token may change (the top-2 logprob
-gaps of these prompts are far larger). Measured (2-core CPU, `pytest -s` prints the figures):
-reference (release) vs triton_situ (cast) max |delta logprob| 0.0 (the served fp16 logprobs are
-equal), 3 of 3 streams identical; the negative control (release, beta 2.0, triton_situ) 1 of 3
-identical, first divergences at positions 3 and 1, max |delta logprob| 0.16 over 5 tokens (8x the
-bound). The file takes 166 s alone on 2 cores (four servers took 490 s).
+The bound (DLOGPROB_BOUND, docs/ab.md "The verdict"). On CPU the servers run fp16. Both backends
+compute the same real-valued MoE with fp32 dots; they differ by the order of the fp32 sums and,
+through it, by a rounding step of the fp16 intermediate or output now and then. The MoE is the
+last layer: the difference reaches no later position, only this position's logits through the
+final norm and lm_head, which round to fp16 again. Logits below 8 (this model's range) have an
+fp16 step of at most 2^-8; a logprob moves by at most twice the largest logit change
+(rounding_bound(10, 8) = 2^-7), and twice that for the two roundings: 2^-6 nats.
+Measured (2-core CPU, `pytest -s` prints the figures): MEASURED_LINE
 
 What the cast-vs-release comparison through triton_situ alone (the earlier fourth server) proved
 is now covered by the reference arm (a layout bug shared by both triton_situ paths would make the
