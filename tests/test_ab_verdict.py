@@ -108,3 +108,38 @@ def test_client_names_a_null_or_nan_logprob(raw, what):
                                                     "top_logprobs": [{"token": "b", "logprob": None}]}
     with pytest.raises(MalformedResponse, match=r"top_logprobs\[0\] \('b'\) of token 1 is null \(the server computed NaN\)"):
         parse_completion(body, where="arm 'b' (http://h)")
+
+
+def test_serve_writes_the_verdict_and_fail_on_divergence_sets_the_exit_status(tmp_path, capsys):
+    """Against local fake servers (tests/ab_fake_server.py): the same answers on both arms agree
+    (exit 0 with --fail-on-divergence); the two arms of the end-to-end test diverge (exit 1), and
+    report.json, summary.md and the printed line carry the verdict."""
+    from ab_fake_server import PROMPTS, FakeServer, arm_responder
+    from k3nvfp4.sglang_ext.ab import cli
+
+    pfile = tmp_path / "p.jsonl"
+    pfile.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    with FakeServer(arm_responder("marlin")) as sa, FakeServer(arm_responder("marlin")) as sa2, \
+            FakeServer(arm_responder("triton_situ")) as sb:
+        common = ["--prompts", str(pfile), "--retries", "0", "--no-progress", "--no-plots", "--fail-on-divergence"]
+        rc_same = cli.main(["serve", "--arm", f"a={sa.url}", "--arm", f"b={sa2.url}", *common, "--out", str(tmp_path / "same")])
+        out_same = capsys.readouterr().out
+        rc_diff = cli.main(["serve", "--arm", f"a={sa.url}", "--arm", f"b={sb.url}", *common, "--out", str(tmp_path / "diff")])
+        captured = capsys.readouterr()
+    assert rc_same == 0 and "verdict: agree (bound 0.25 nats; 3 of 3 prompts compared: 3 identical" in out_same
+    assert rc_diff == 1 and "--fail-on-divergence: the verdict is 'diverge'" in captured.err
+    rep = json.loads((tmp_path / "diff" / "report.json").read_text())
+    v = rep["verdict"]
+    assert v["verdict"] == "diverge" and v["bound_nats"] == DEFAULT_BOUND_NATS and v["identical"] == 1
+    assert sorted(v["divergent"] + v["beyond_bound"]) == sorted(p["id"] for p in PROMPTS if p["id"] != "mc-1")
+    assert "**Verdict: diverge**" in (tmp_path / "diff" / "summary.md").read_text()
+    assert captured.out.rstrip().splitlines()[-1].startswith("verdict: diverge")
+
+
+def test_dlogprob_bound_must_be_positive_on_the_command_line(tmp_path, capsys):
+    from k3nvfp4.sglang_ext.ab import cli
+
+    rc = cli.main(["serve", "--arm", "a=http://127.0.0.1:9", "--arm", "b=http://127.0.0.1:9", "--dlogprob-bound", "0",
+                   "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--dlogprob-bound must be a positive number of nats, got 0.0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
