@@ -32,7 +32,7 @@ last layer: the difference reaches no later position, only this position's logit
 final norm and lm_head, which round to fp16 again. Logits below 8 (this model's range) have an
 fp16 step of at most 2^-8; a logprob moves by at most twice the largest logit change
 (rounding_bound(10, 8) = 2^-7), and twice that for the two roundings: 2^-6 nats.
-Measured (2-core CPU, `pytest -s` prints the figures): MEASURED_LINE
+Measured (2-core CPU, `pytest -s` prints the figures): reference vs cast `agree`, 2 of 2 streams identical (one prompt of 522 tokens), max |delta logprob| 0.0, exit 0; negative control `diverge`, 1 of 2 streams identical (first divergence at position 1), both prompts beyond the bound, max |delta logprob| 0.148 (9x the bound), exit 1; the reference's streams equal in both runs. The file took 1742 s on the shared, heavily loaded 2-core machine (load average 19; the earlier 3-prompt x 5-token version took 150-166 s on a quiet one): the A/B runs, 1435 s of it, are what a 512-token prefill costs in Triton's interpreter under that load.
 
 What the cast-vs-release comparison through triton_situ alone (the earlier fourth server) proved
 is now covered by the reference arm (a layout bug shared by both triton_situ paths would make the
