@@ -1,10 +1,10 @@
 """Real SGLang servers in tests, on CPU: tiny checkpoints, the launch, readiness, and teardown.
 
-Test helper, never product code. ``python -m sglang.launch_server`` (SGLang 0.5.23) runs as a
-subprocess with the arguments of the project's command builder (k3nvfp4.sglang_ext.launch) for
-one node, plus the CPU flags below; the fixture directory ``tests/fixtures/sglang_cpu`` goes on
-its PYTHONPATH (the sgl_kernel stand-in; see its docstring). Every server is started in its own
-process group on 127.0.0.1 and stopped by that group's id, also when a test fails.
+Test helper, never product code. Every server is started with the documented command,
+``python -P -m k3nvfp4.sglang_ext.cpu_server`` (the production launch for one node plus the CPU
+flags, environment and workarounds; it execs ``sglang.launch_server``, so the subprocess is the
+server), in its own process group on 127.0.0.1, and stopped by that group's id, also when a test
+fails.
 """
 
 from __future__ import annotations
@@ -21,68 +21,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "sglang_cpu"
-# The CPU engine (SGLANG_USE_CPU_ENGINE=1): CPU device, the torch attention backend, no CUDA
-# graphs, no warm-up request, and a small KV pool (the builder's --mem-fraction-static 0.85 is
-# for GPUs; the later flag wins).
-CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-             "--skip-server-warmup", "--max-total-tokens", "4096", "--mem-fraction-static", "0.05")
-# Kimi-K3 (synthetic) on the CPU engine, beyond CPU_FLAGS: the KDA state cache without the
-# extra buffer (sglang/srt/arg_groups/mamba_hook.py:120 asserts GPU support for it; no_buffer
-# requires the overlap scheduler off), and fp16 (Triton's interpreter has no bf16 scalars:
-# "InterpreterBuilder has no attribute get_bf16" in SGLang's FLA kernels).
-K3_CPU_FLAGS = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule", "--dtype", "float16")
-# Several K3 servers starting at once on one host (tests/test_real_server_k3.py). SGLang sizes its
-# pools from the host memory it sees free before and after loading; with the CPU_FLAGS fraction
-# (0.05) what another server takes meanwhile leaves it "negative memory" for the KDA state cache
-# (kv_cache_configurator._handle_max_mamba_cache raises). Half the host as headroom, and a fixed
-# small KDA state pool, so that the pool is not sized from that half.
-K3_SHARED_HOST_FLAGS = ("--mem-fraction-static", "0.5", "--max-mamba-cache-size", "64")
-WORDS = tuple(f"w{i:03d}" for i in range(240))  # the tiny tokenizer's words: distinct, readable
-# The tokens of an answer line, "Answer: X" (the extraction of sglang_ext/ab/prompts.py reads the
-# last one), after WORDS: ids 245..249, so that WORDS keep their ids.
-ANSWER_WORDS = ("Answer:", "A", "B", "C", "D")
-SPECIALS = ("<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>")
-TINY_VOCAB = SPECIALS + WORDS + ANSWER_WORDS  # token ids in this order
+from k3nvfp4.sglang_ext.cpu.tokenizer import SPECIALS, TINY_VOCAB, write_tiny_tokenizer
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def write_tiny_tokenizer(out: Path) -> int:
-    """A word-level tokenizer over WORDS and ANSWER_WORDS (unknown words -> <unk>) with a chat
-    template; returns the vocabulary size (250). Every token decodes to a distinct string, so
-    top_logprobs keys do not collide; decoding joins tokens with spaces ("Answer: B w017")."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(TINY_VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(list(SPECIALS))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} "
-                          "{% else %}<|assistant|> {{ m['content'] }} </s> {% endif %}{% endfor %}"
-                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    fast.save_pretrained(out)
-    return len(vocab)
-
-
-def write_k3_text_processor(out: Path) -> Path:
-    """A --tokenizer-path directory for the synthetic K3 checkpoint: the tiny tokenizer (its 250
-    ids fit the synthetic vocabulary of 256) and the test-only text processor SGLang's Kimi-K3
-    multimodal processor needs (tests/fixtures/sglang_cpu/k3_processor)."""
-    import shutil
-
-    out.mkdir(parents=True, exist_ok=True)
-    write_tiny_tokenizer(out)
-    shutil.copy(FIXTURE_DIR / "k3_processor" / "processing_tiny_k3.py", out)
-    (out / "processor_config.json").write_text(json.dumps(
-        {"processor_class": "TinyK3Processor", "auto_map": {"AutoProcessor": "processing_tiny_k3.TinyK3Processor"}}))
-    return out
 
 
 # The hand-built Llama of write_tiny_llama: where each part lives in its residual stream (64 dims).
@@ -205,13 +150,10 @@ def write_tiny_llama(out: Path, *, seed: int = 0, perturb_lm_head: float = 0.0, 
 
 
 def server_command(model_path: Path, port: int, *, backend: str = "triton_situ", extra: tuple = ()) -> list[str]:
-    """The production launch (k3nvfp4.sglang_ext.launch.server_args) for one node on 127.0.0.1,
-    plus CPU_FLAGS and ``extra``."""
-    from k3nvfp4.sglang_ext.launch import LaunchSpec, server_args
-
-    spec = LaunchSpec(str(model_path), backend, tp=1, nnodes=1, host="127.0.0.1", port=port,
-                      extra_args=CPU_FLAGS + tuple(extra))
-    return [sys.executable, "-m", "sglang.launch_server"] + [a for line in server_args(spec) for a in line]
+    """The documented CPU server command (k3nvfp4.sglang_ext.cpu_server) on 127.0.0.1; ``extra``
+    goes to sglang.launch_server after ``--``."""
+    return [sys.executable, "-P", "-m", "k3nvfp4.sglang_ext.cpu_server", "--model", str(model_path),
+            "--moe-runner-backend", backend, "--host", "127.0.0.1", "--port", str(port), "--", *extra]
 
 
 class ServerFailed(RuntimeError):
@@ -229,8 +171,6 @@ class SGLangServer:
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
         self.env = dict(os.environ)
-        self.env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PLUGINS": "k3nvfp4", "K3NVFP4_TEST_SGLANG_CPU": "1",
-                         "PYTHONPATH": os.pathsep.join([str(FIXTURE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])})
         self.env.update(env or {})
         self.proc: subprocess.Popen | None = None
 

@@ -1,8 +1,8 @@
 """The A/B serve tool against real SGLang servers (tiny hand-built Llamas on CPU), not fake ones.
 
-Two ``sglang.launch_server`` processes (tests/real_server.py: the production command builder's
-arguments for one node, plus CPU flags, with the sgl_kernel stand-in of tests/fixtures/sglang_cpu)
-serve arm A and arm B: the same tiny Llama (real_server.write_tiny_llama: it answers every chat
+Two ``sglang.launch_server`` processes (tests/real_server.py: started with the documented CPU
+command, ``python -P -m k3nvfp4.sglang_ext.cpu_server``, the production launch for one node plus
+the CPU flags and workarounds) serve arm A and arm B: the same tiny Llama (real_server.write_tiny_llama: it answers every chat
 prompt "Answer: X", the letter X set by the prompt's length, then follows a random bigram chain),
 B with its lm_head perturbed (noise, and its letters turned by 60 degrees), so their greedy
 streams share some tokens and not others, and their letters agree on some questions and not on

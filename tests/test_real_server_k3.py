@@ -1,13 +1,14 @@
 """The plugin's MoE backends in real SGLang server processes, on CPU: the synthetic Kimi-K3
 checkpoint, cast to NVFP4 and as the MXFP4 release, served over HTTP, and a server A/B through
-the MoE layer.
+the MoE layer on prompts of more than 512 tokens, decided by the A/B's own verdict.
 
-``python -m sglang.launch_server`` (tests/real_server.py, the production command builder's
-arguments plus CPU flags) loads the checkpoint with the k3nvfp4 plugin, found through its entry
-point in the spawned scheduler; the Triton MoE kernels run in Triton's interpreter. A test hook in
-tests/fixtures/sglang_cpu/sitecustomize.py records every fused_moe_nvfp4 call of the server's
-processes: that the MoE layers are served by the project's kernels, with which weight layout,
-and SGLang's loading timeout as the plugin set it from K3NVFP4_LOAD_TIMEOUT_S.
+Every server is started with the documented CPU command, ``python -P -m
+k3nvfp4.sglang_ext.cpu_server`` (tests/real_server.py): the production launch for one node plus
+the CPU flags and workarounds, the plugin found through its entry point in the spawned scheduler,
+the Triton MoE kernels in Triton's interpreter. Its diagnostic hook (K3NVFP4_RECORD_MOE_CALLS)
+records every fused_moe_nvfp4 call of the server's processes: that the MoE layers are served by
+the project's kernels, with which weight layout, finite, and SGLang's loading timeout as the
+plugin set it from K3NVFP4_LOAD_TIMEOUT_S.
 
 Three servers, started together once for the module (one K3 server takes about 80 s of 2-core
 time to start; started together they share the cores):
@@ -16,26 +17,22 @@ time to start; started together they share the cores):
   torch, its own decode of the release's nibbles and E8M0 exponents, no Triton, no kernel layout);
 - ``perturbed``: the release on ``triton_situ`` (its own E8M0_32 layout) with
   ``activation_situ_beta`` 4.0 -> PERTURBED_BETA in a copy of its config.json: the negative control.
-``k3nvfp4-ab serve`` (greedy, logprobs) compares reference vs nvfp4, two implementations AND two
-checkpoints (the cast is exact, so the same model): they must agree within the bound below; and
-reference vs perturbed: reported divergent, with the first divergent position.
+``k3nvfp4-ab serve --fail-on-divergence`` (greedy, logprobs) compares reference vs nvfp4, two
+implementations AND two checkpoints (the cast is exact, so the same model): verdict agree, exit 0;
+then reference vs perturbed: verdict diverge, exit 1. The two runs share the reference server one
+after the other with different batching, and its streams must come out the same in both.
 The synthetic model has no MLA layer (two layers: dense, then KDA + MoE), so SGLang's MLA decode
-kernels are not reached.
+kernels are not reached. Prompts past one 16-token KDA sub-chunk came back NaN before the CPU
+workaround ``_interpreter_bf16_dot`` (docs/serving.md); the long prompts keep it proven.
 
-The bound (DLOGPROB_BOUND). On CPU the servers run fp16 (K3_CPU_FLAGS). Both backends compute
-the same real-valued MoE with fp32 dots; they differ by the order of the fp32 sums (relative
-1e-6) and, through it, by a rounding step of the fp16 intermediate or output now and then (the
-interpreter also truncates where a GPU rounds). So the layer outputs differ by about one fp16
-ulp, 2^-11 relative. The MoE is the last layer: the difference reaches no later position, only
-this position's logits through the final norm and lm_head, which round to fp16 again. The
-logprob of a token moves by at most twice the largest logit change, and a logit of magnitude
-up to 8 (this model's range; top logprobs near -log 256) has an fp16 ulp of 2^-8 = 0.0039: a
-few such ulps, DLOGPROB_BOUND = 0.02 nats, and no greedy token may change (the top-2 logprob
-gaps of these prompts are far larger). Measured (2-core CPU, `pytest -s` prints the figures):
-reference (release) vs triton_situ (cast) max |delta logprob| 0.0 (the served fp16 logprobs are
-equal), 3 of 3 streams identical; the negative control (release, beta 2.0, triton_situ) 1 of 3
-identical, first divergences at positions 3 and 1, max |delta logprob| 0.16 over 5 tokens (8x the
-bound). The file takes 166 s alone on 2 cores (four servers took 490 s).
+The bound (DLOGPROB_BOUND, docs/ab.md "The verdict"). On CPU the servers run fp16. Both backends
+compute the same real-valued MoE with fp32 dots; they differ by the order of the fp32 sums and,
+through it, by a rounding step of the fp16 intermediate or output now and then. The MoE is the
+last layer: the difference reaches no later position, only this position's logits through the
+final norm and lm_head, which round to fp16 again. Logits below 8 (this model's range) have an
+fp16 step of at most 2^-8; a logprob moves by at most twice the largest logit change
+(rounding_bound(10, 8) = 2^-7), and twice that for the two roundings: 2^-6 nats.
+Measured (2-core CPU, `pytest -s` prints the figures): reference vs cast `agree`, 2 of 2 streams identical (one prompt of 522 tokens), max |delta logprob| 0.0, exit 0; negative control `diverge`, 1 of 2 streams identical (first divergence at position 1), both prompts beyond the bound, max |delta logprob| 0.148 (9x the bound), exit 1; the reference's streams equal in both runs. The file took 1742 s on the shared, heavily loaded 2-core machine (load average 19; the earlier 3-prompt x 5-token version took 150-166 s on a quiet one): the A/B runs, 1435 s of it, are what a 512-token prefill costs in Triton's interpreter under that load.
 
 What the cast-vs-release comparison through triton_situ alone (the earlier fourth server) proved
 is now covered by the reference arm (a layout bug shared by both triton_situ paths would make the
@@ -46,35 +43,42 @@ layer- and model-level tests of tests/test_mxfp4_serving.py.
 from __future__ import annotations
 
 import json
+import math
 import shutil
-import threading
 
 import pytest
 
 from k3nvfp4.sglang_ext.ab import cli
-from real_server import K3_CPU_FLAGS, K3_SHARED_HOST_FLAGS, SGLangServer, write_k3_text_processor
+from k3nvfp4.sglang_ext.ab.verdict import FP16_MANTISSA_BITS, rounding_bound
+from real_server import SGLangServer
 
 CKPT_SHAPE = dict(num_layers=2, num_experts=8, hidden_size=64, intermediate_size=64, top_k=4)
 LOAD_TIMEOUT_S = 1234  # SGLang's default is 480
 NEW_TOKENS = 3
-# The CPU workarounds of tests/fixtures/sglang_cpu/sitecustomize.py a K3 server needs, each of
-# which must take effect (a newer SGLang that moves what one answers fails here, by name).
+# The CPU workarounds of k3nvfp4/sglang_ext/cpu/pythonpath/sitecustomize.py a K3 server needs, each
+# of which must take effect (a newer SGLang that moves what one answers fails here, by name).
 WORKAROUNDS = {"_cuda_stream", "_sgl_kernel_cpu_ops", "_autotuner_first_config", "_kda_triton_kernels",
-               "_kda_conv_update", "_fla_jit_math", "_kda_libdevice", "_count_moe_calls"}
+               "_kda_conv_update", "_fla_jit_math", "_kda_libdevice", "_interpreter_bf16_dot", "_count_moe_calls"}
 # name -> (checkpoint, --moe-runner-backend)
 SERVERS = {"nvfp4": ("nvfp4", "triton_situ"), "reference": ("mxfp4", "torch_reference"),
            "perturbed": ("mxfp4_beta", "triton_situ")}
 PERTURBED_BETA = 2.0  # activation_situ_beta of the negative control (the model's is 4.0)
-DLOGPROB_BOUND = 0.02  # nats, max |delta logprob| over aligned positions (module docstring)
-AB_TOKENS = 5  # the control diverges by position 3 (measured); fewer tokens keep the servers' time down
-AB_PROMPTS = [{"id": "p1", "prompt": "w001 w002 w003"}, {"id": "p2", "prompt": "w100 w017 w042 w007"},
-              {"id": "p3", "prompt": "w200"}]
+# The verdict's bound (module docstring): two fp16 rounding steps of logits below 8.
+DLOGPROB_BOUND = 2 * rounding_bound(FP16_MANTISSA_BITS, 8.0)  # 2^-6 nats
+AB_TOKENS = 4  # the control diverges by position 3 (measured); fewer tokens keep the servers' time down
+LONG_WORDS = 520  # a user message of 520 words: a prompt of at least 512 tokens
+
+
+def _words(n: int, step: int) -> str:
+    return " ".join(f"w{(step * i) % 240:03d}" for i in range(n))
+
+
+AB_PROMPTS = [{"id": "long", "prompt": _words(LONG_WORDS, 7)}, {"id": "short", "prompt": "w100 w017 w042 w007"}]
 
 
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory):
-    """The synthetic release (MXFP4), its NVFP4 cast, the release with a perturbed SiTU beta,
-    and the text processor directory."""
+    """The synthetic release (MXFP4), its NVFP4 cast, and the release with a perturbed SiTU beta."""
     from k3nvfp4.checkpoint.cli import main as cast_main
     from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
 
@@ -89,22 +93,21 @@ def k3(tmp_path_factory):
     assert cfg["text_config"]["activation_situ_beta"] == 4.0
     cfg["text_config"]["activation_situ_beta"] = PERTURBED_BETA
     (perturbed / "config.json").write_text(json.dumps(cfg, indent=2))
-    return {"nvfp4": nvfp4, "mxfp4": mxfp4, "mxfp4_beta": perturbed,
-            "tokenizer": write_k3_text_processor(root / "tokenizer")}
+    return {"nvfp4": nvfp4, "mxfp4": mxfp4, "mxfp4_beta": perturbed}
 
 
 @pytest.fixture(scope="module")
 def servers(k3, tmp_path_factory):
     """name -> (server, its fused_moe_nvfp4 call records, its applied-workarounds file); all
-    started before any is waited for."""
+    started before any is waited for, each with the documented CPU command
+    (k3nvfp4.sglang_ext.cpu_server), which writes the tiny K3 tokenizer into the cache folder."""
     d = tmp_path_factory.mktemp("k3servers")
     out, started = {}, []
     for name, (ckpt, backend) in SERVERS.items():
         calls, applied = d / f"{name}.moe_calls.jsonl", d / f"{name}.workarounds.txt"
         server = SGLangServer(k3[ckpt], d / f"{name}.log", backend=backend,
-                              extra=K3_CPU_FLAGS + K3_SHARED_HOST_FLAGS + ("--tokenizer-path", str(k3["tokenizer"])),
-                              env={"TRITON_INTERPRET": "1", "K3NVFP4_LOAD_TIMEOUT_S": str(LOAD_TIMEOUT_S),
-                                   "K3NVFP4_TEST_MOE_CALLS": str(calls), "K3NVFP4_TEST_WORKAROUNDS": str(applied)},
+                              env={"K3NVFP4_LOAD_TIMEOUT_S": str(LOAD_TIMEOUT_S), "K3NVFP4_CACHE_DIR": str(d / "cache"),
+                                   "K3NVFP4_RECORD_MOE_CALLS": str(calls), "K3NVFP4_CPU_WORKAROUNDS_LOG": str(applied)},
                               ready_timeout_s=600)
         assert f"--moe-runner-backend {backend}" in " ".join(server.cmd)
         out[name] = (server, calls, applied)
@@ -135,6 +138,8 @@ def test_triton_situ_serves_k3_over_http(servers, name, scale_format):
     body = server.chat({"model": "k3", "messages": [{"role": "user", "content": "w001 w002 w003"}],
                         "max_tokens": NEW_TOKENS, "temperature": 0.0, "logprobs": True, "top_logprobs": 3},
                        timeout_s=300)
+    lps = [t["logprob"] for t in body["choices"][0]["logprobs"]["content"]]
+    assert all(isinstance(x, float) and math.isfinite(x) for x in lps), lps
     missing = WORKAROUNDS - set(applied.read_text().split())
     assert not missing, f"CPU workarounds that no longer take effect with this SGLang: {sorted(missing)}"
     choice = body["choices"][0]
@@ -151,39 +156,47 @@ def test_triton_situ_serves_k3_over_http(servers, name, scale_format):
         assert r["load_timeout_s"] == LOAD_TIMEOUT_S
 
 
+# The two A/B runs share the reference server, one after the other, with different batching:
+# against nvfp4 every request of both arms is in flight at once (the reference server prefills
+# both prompts in one batch), against the control one request at a time (each prompt alone). The
+# reference's streams must come out the same in both runs: its outputs do not depend on its
+# batches, so the two verdicts compare each triton_situ server with the same reference.
+AB_CONCURRENCY = {"nvfp4": 2 * len(AB_PROMPTS), "perturbed": 1}
+
+
 @pytest.fixture(scope="module")
-def ab_reports(servers, tmp_path_factory):
-    """``k3nvfp4-ab serve`` twice, at the same time (the reference server answers both): the
-    reference against triton_situ, and against the negative control. name -> report.json."""
+def ab_runs(servers, tmp_path_factory):
+    """``k3nvfp4-ab serve --fail-on-divergence`` against the reference, first with nvfp4, then with
+    the negative control. name -> (exit status, report.json, completions by (arm, prompt id))."""
     d = tmp_path_factory.mktemp("k3ab")
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in AB_PROMPTS))
     ref = servers["reference"][0]
-    rcs: dict[str, int] = {}
-
-    def run(other: str) -> None:
-        rcs[other] = cli.main(["serve", "--arm", f"reference={ref.url}", "--arm", f"{other}={servers[other][0].url}",
-                               "--prompts", str(prompts), "--seeds", "1", "--max-tokens", str(AB_TOKENS),
-                               "--top-logprobs", "5", "--timeout", "900", "--no-progress", "--out", str(d / other)])
-
-    threads = [threading.Thread(target=run, args=(other,)) for other in ("nvfp4", "perturbed")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert rcs == {"nvfp4": 0, "perturbed": 0}, rcs
-    return {other: json.loads((d / other / "report.json").read_text()) for other in ("nvfp4", "perturbed")}
+    out = {}
+    for other in ("nvfp4", "perturbed"):
+        rc = cli.main(["serve", "--arm", f"reference={ref.url}", "--arm", f"{other}={servers[other][0].url}",
+                       "--prompts", str(prompts), "--seeds", "1", "--max-tokens", str(AB_TOKENS),
+                       "--top-logprobs", "5", "--timeout", "1800", "--no-progress", "--no-plots",
+                       "--concurrency", str(AB_CONCURRENCY[other]), "--dlogprob-bound", str(DLOGPROB_BOUND),
+                       "--fail-on-divergence", "--out", str(d / other)])
+        rows = [json.loads(x) for x in (d / other / "completions.jsonl").read_text().splitlines()]
+        out[other] = (rc, json.loads((d / other / "report.json").read_text()),
+                      (d / other / "summary.md").read_text(), {(r["arm"], r["prompt_id"]): r for r in rows})
+    return out
 
 
-def test_reference_and_triton_situ_agree_within_fp16_rounding(servers, ab_reports):
-    """The release on the plain-torch backend and the cast on triton_situ: the same greedy tokens
-    and logprobs within DLOGPROB_BOUND (two implementations and two layouts of the same experts)."""
-    rep = ab_reports["nvfp4"]
-    g = rep["greedy"]
-    print(json.dumps({k: g[k] for k in ("identical_token_streams", "aligned_positions", "top1_agreement",
-                                        "mean_abs_dlogprob", "max_abs_dlogprob", "dlogprob_missing")}))
-    assert g["prompts"] == len(AB_PROMPTS) and g["prompts_without_logprobs"] == {"reference": 0, "nvfp4": 0}
-    assert g["identical_token_streams"] == len(AB_PROMPTS) and g["first_divergence_positions"] == []
+def test_reference_and_triton_situ_agree_on_512_token_prompts(servers, ab_runs):
+    """The release on the plain-torch backend and the cast on triton_situ, prompts of 512 tokens
+    and more: the A/B's verdict is agree (identical greedy streams, logprobs within the bound),
+    and --fail-on-divergence exits 0."""
+    rc, rep, summary, _ = ab_runs["nvfp4"]
+    g, v = rep["greedy"], rep["verdict"]
+    print(json.dumps({k: g[k] for k in ("identical_token_streams", "aligned_positions", "max_abs_dlogprob")}),
+          json.dumps({k: v[k] for k in ("verdict", "bound_nats", "identical", "near_tie", "max_abs_dlogprob")}))
+    assert rc == 0 and v["verdict"] == "agree" and v["bound_nats"] == DLOGPROB_BOUND
+    assert "**Verdict: agree**" in summary
+    assert g["prompts_without_logprobs"] == {"reference": 0, "nvfp4": 0}
+    assert v["compared"] == v["identical"] == len(AB_PROMPTS) and g["first_divergence_positions"] == []
     assert g["aligned_positions"] == len(AB_PROMPTS) * AB_TOKENS and g["top1_agreement"] == 1.0
     assert g["dlogprob_missing"] == 0 and g["max_abs_dlogprob"] <= DLOGPROB_BOUND, g
     # The reference arm really ran the plain-torch backend: its load log says so, and no MoE call
@@ -192,19 +205,34 @@ def test_reference_and_triton_situ_agree_within_fp16_rounding(servers, ab_report
     assert "k3nvfp4: MoE runner backend torch_reference active: 8 local of 8 experts" in ref.log_tail(10**7)
     assert "MoE runner backend triton_situ active" not in ref.log_tail(10**7)
     assert _records(calls) == []
-    assert _records(servers["nvfp4"][1])  # the other arm did
+    # The nvfp4 server ran the long prompts through the project's kernels, finite, in one prefill
+    # call of at least 512 tokens each (a request's prefill may be batched with the others').
+    nv = _records(servers["nvfp4"][1])
+    assert nv and all(r["out_finite"] for r in nv) and max(r["tokens"] for r in nv) >= 512
 
 
-def test_negative_control_is_reported_divergent(ab_reports):
-    """A SiTU beta of PERTURBED_BETA instead of 4.0 in the served config: the same A/B reports the
-    arms divergent (a changed greedy token, at the position it names) and beyond the bound."""
-    g = ab_reports["perturbed"]["greedy"]
-    print(json.dumps({k: g[k] for k in ("identical_token_streams", "first_divergence_positions", "top1_agreement",
-                                        "mean_abs_dlogprob", "max_abs_dlogprob")}))
-    rows = ab_reports["perturbed"]["per_prompt"]
-    diverged = [r for r in rows if r["first_divergence"] is not None]
-    assert diverged and g["identical_token_streams"] < len(AB_PROMPTS)
-    for r in diverged:
-        assert 0 <= r["first_divergence"] < AB_TOKENS and r["tokens_a"] == r["tokens_b"] == AB_TOKENS
-    assert sorted(g["first_divergence_positions"]) == sorted(r["first_divergence"] for r in diverged)
+def test_reference_outputs_do_not_depend_on_its_batches(ab_runs):
+    """The reference's greedy streams (text and token count) are the same in both A/B runs,
+    whose requests reached it in different batches (AB_CONCURRENCY)."""
+    a, b = ab_runs["nvfp4"][3], ab_runs["perturbed"][3]
+    for p in AB_PROMPTS:
+        ra, rb = a[("reference", p["id"])], b[("reference", p["id"])]
+        assert ra["content"] == rb["content"] and ra["completion_tokens"] == rb["completion_tokens"] == AB_TOKENS, p["id"]
+    ta = {r["id"]: r for r in ab_runs["nvfp4"][1]["verdict"]["per_prompt"]}
+    assert set(ta) == {p["id"] for p in AB_PROMPTS}
+
+
+def test_negative_control_is_reported_divergent(ab_runs):
+    """A SiTU beta of PERTURBED_BETA instead of 4.0 in the served config: the verdict is diverge,
+    naming the prompts, and --fail-on-divergence exits 1."""
+    rc, rep, summary, _ = ab_runs["perturbed"]
+    g, v = rep["greedy"], rep["verdict"]
+    print(json.dumps({k: g[k] for k in ("identical_token_streams", "first_divergence_positions", "max_abs_dlogprob")}),
+          json.dumps({k: v[k] for k in ("verdict", "divergent", "beyond_bound", "max_abs_dlogprob")}))
+    assert rc == 1 and v["verdict"] == "diverge" and "**Verdict: diverge**" in summary
+    flagged = set(v["divergent"]) | set(v["beyond_bound"])
+    assert flagged and flagged <= {p["id"] for p in AB_PROMPTS}
     assert g["max_abs_dlogprob"] > DLOGPROB_BOUND
+    for r in v["per_prompt"]:
+        if r["status"] == "divergent":
+            assert 0 <= r["first_divergence"] < AB_TOKENS and (r["margin"] is None or r["margin"] > 2 * DLOGPROB_BOUND)

@@ -102,6 +102,12 @@ def _add_serve(sub) -> None:
                    help="resamples of the 95%% bootstrap interval of the paired difference")
     p.add_argument("--bootstrap-seed", type=int, default=d.bootstrap_seed,
                    help="seed of the bootstrap's resampling (recorded in the report)")
+    p.add_argument("--dlogprob-bound", type=float, default=d.dlogprob_bound, metavar="NATS",
+                   help="the verdict's bound on |delta logprob| at aligned greedy positions; streams may part only "
+                        "where the baseline's margin is within twice it (default: bf16 rounding of logits below 32, "
+                        "docs/ab.md)")
+    p.add_argument("--fail-on-divergence", action="store_true",
+                   help="exit with status 1 unless the verdict is 'agree' (for CI)")
     p.add_argument("--no-progress", action="store_true",
                    help="a status line every $K3NVFP4_PROGRESS_INTERVAL s instead of a progress bar")
     p.add_argument("--no-plots", action="store_true",
@@ -112,6 +118,7 @@ def _add_serve(sub) -> None:
 def _serve(args) -> int:
     from ..launch import ab_launch_commands
     from .serve import ServeConfig, run_serve_ab, summary_markdown
+    from .verdict import verdict_line
 
     if args.print_launch or not args.arm:
         try:
@@ -127,6 +134,8 @@ def _serve(args) -> int:
     if args.out is None:
         raise ABError("serve: --out DIR is required")
     _check_out(args.out)  # before any request: a run of hours must not fail at its end
+    if not (args.dlogprob_bound > 0 and args.dlogprob_bound < float("inf")):
+        raise ABError(f"serve: --dlogprob-bound must be a positive number of nats, got {args.dlogprob_bound}")
     if args.bootstrap_resamples < 1:
         raise ABError(f"serve: --bootstrap-resamples must be >= 1, got {args.bootstrap_resamples}")
     cfg = ServeConfig(arms=args.arm, out_dir=args.out, model=args.model, prompts=args.prompts,
@@ -136,10 +145,14 @@ def _serve(args) -> int:
                       concurrency=args.concurrency, retries=args.retries, backoff_s=args.backoff,
                       timeout_s=args.timeout, max_tokens=args.max_tokens, reasoning_effort=args.reasoning_effort,
                       seeds=args.seeds, top_logprobs=args.top_logprobs, progress=not args.no_progress,
-                      plots=not args.no_plots)
+                      plots=not args.no_plots, dlogprob_bound=args.dlogprob_bound)
     rep = run_serve_ab(cfg)
     print(summary_markdown(rep))
     print(f"report: {args.out / 'report.json'}")
+    print(verdict_line(rep.verdict))
+    if args.fail_on_divergence and rep.verdict["verdict"] != "agree":
+        print(f"k3nvfp4-ab serve: --fail-on-divergence: the verdict is {rep.verdict['verdict']!r}", file=sys.stderr)
+        return 1
     return 0
 
 

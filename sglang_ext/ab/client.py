@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,32 @@ class Completion:
     started_s: float | None = None  # time.perf_counter() when the request was sent (None: not sent by ChatClient)
 
 
+def _not_a_number(x: Any) -> str | None:
+    """'null' or 'NaN' when ``x`` is how a server writes a logprob it computed as NaN, else None.
+    SGLang turns a NaN logprob into JSON null; other servers write NaN or "nan"."""
+    if x is None:
+        return "null"
+    if isinstance(x, float) and math.isnan(x) or isinstance(x, str) and x.strip().lower() == "nan":
+        return "NaN"
+    return None
+
+
+def _check_logprobs(t: Any, i: int, where: str) -> None:
+    """Raise MalformedResponse naming a null / NaN logprob of token ``i`` (or of one of its
+    top_logprobs): the server computed NaN, which no later step can compare."""
+    if not isinstance(t, dict):
+        return
+    what = _not_a_number(t.get("logprob", 0.0))
+    if what:
+        raise MalformedResponse(f"{where}: the logprob of token {i} ({t.get('token')!r}) is {what} "
+                                "(the server computed NaN)")
+    for j, a in enumerate(t.get("top_logprobs") or []):
+        what = _not_a_number(a.get("logprob", 0.0)) if isinstance(a, dict) else None
+        if what:
+            raise MalformedResponse(f"{where}: top_logprobs[{j}] ({a.get('token')!r}) of token {i} is {what} "
+                                    "(the server computed NaN)")
+
+
 def parse_completion(body: Any, *, where: str, latency_s: float = 0.0, attempts: int = 1,
                      started_s: float | None = None) -> Completion:
     """Validate a decoded chat-completion body and extract choices[0]. Raises MalformedResponse."""
@@ -95,6 +122,7 @@ def parse_completion(body: Any, *, where: str, latency_s: float = 0.0, attempts:
     if isinstance(lp, dict) and isinstance(lp.get("content"), list):
         tokens = []
         for i, t in enumerate(lp["content"]):
+            _check_logprobs(t, i, where)
             try:
                 top = {str(a["token"]): float(a["logprob"]) for a in (t.get("top_logprobs") or [])}
                 tokens.append(TokenLogprob(str(t["token"]), float(t["logprob"]), top))

@@ -38,6 +38,7 @@ from .report import fmt, markdown_table, write_json
 from .serve_metrics import pass_at_1, summarize_agreements, token_agreement
 from .speed import arm_speed
 from .stats import arm_accuracy, compare
+from .verdict import DEFAULT_BOUND_NATS, decide, verdict_markdown
 
 @dataclass
 class ServeConfig:
@@ -65,6 +66,7 @@ class ServeConfig:
     temperature: float = 0.6
     top_p: float = 0.95
     progress: bool = True
+    dlogprob_bound: float = DEFAULT_BOUND_NATS  # nats, the verdict's bound (verdict.py)
 
 
 @dataclass
@@ -99,6 +101,7 @@ class ServeABReport:
     comparison: dict | None = None  # stats.PairedComparison of the arms on all graded prompts
     speed: dict = field(default_factory=dict)  # arm -> speed.ArmSpeed
     files: dict = field(default_factory=dict)
+    verdict: dict | None = None  # verdict.Verdict of the greedy pass
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -367,11 +370,13 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
         speed[c.name] = arm_speed([r.latency_s for r in rs], [r.completion_tokens for r in rs],
                                   [r.start_s for r in rs], [r.end_s for r in rs]).to_dict()
 
+    verdict = decide([(p.id, comps[(a, 0, p.id)].tokens, comps[(b, 0, p.id)].tokens) for p in prompts],
+                     cfg.dlogprob_bound).to_dict()
     cfg_d = _config_dict(cfg)
     cfg_d["prompt_set"] = pset.source
     cfg_d["wall_s"] = wall
     report = ServeABReport(cfg_d, arms_info, greedy, accuracy, per_prompt, DEFINITIONS, pset.describe(), comparison,
-                           speed)
+                           speed, verdict=verdict)
     _write_serve_outputs(report, cfg, comps, results)
     return report
 
@@ -394,7 +399,7 @@ def summary_markdown(rep: ServeABReport) -> str:
                  ["max abs delta logprob", fmt(g["max_abs_dlogprob"], ".3g")],
                  ["mean top-k KL (nats, approx.)", fmt(g["mean_topk_kl"], ".3g")],
                  ["aligned positions", g["aligned_positions"]],
-             ]), "", "## Accuracy (pass@1 over seeds)", ""]
+             ]), ""] + ([verdict_markdown(rep.verdict)] if rep.verdict else []) + ["## Accuracy (pass@1 over seeds)", ""]
     lines += _accuracy_lines(rep)
     c = rep.comparison
     if c is not None:
