@@ -180,7 +180,7 @@ def test_requests_in_flight_are_bounded(capsys):
     assert sorted(out) == sorted(k for _, _, k in jobs)
     assert all(out[(n, 0, f"p{i}")].content == f"Answer: q{i}" for n in "ab" for i in range(7))
     err = capsys.readouterr().err.strip().splitlines()[-1]  # LogProgress's final line (no terminal)
-    assert err.startswith("requests: 14 req of 14 req (100%)") and err.endswith("(done)")
+    assert err.startswith("requests: 14 of 14 req (100%)") and err.endswith("(done)")
     assert " | a " in err and " | b " in err and err.count("req/s") == 3 and err.count("tok/s") == 2
 
 

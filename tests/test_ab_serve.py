@@ -298,7 +298,7 @@ def test_truncated_request_graded_on_its_answer(tmp_path):
 
 def test_nothing_graded_says_so(tmp_path):
     """Every request of both arms truncated before an answer: the summary says nothing was graded,
-    and no comparison (no 'no difference resolved' verdict) is made."""
+    and no accuracy comparison (no 'no difference resolved') is made."""
     with FakeServer(_fixed("", finish="length", reasoning="Hmm")) as sa, \
             FakeServer(_fixed("", finish="length", reasoning="Well")) as sb:
         assert cli.main(["serve", "--arm", f"a={sa.url}", "--arm", f"b={sb.url}", "--limit", "4",
@@ -308,7 +308,10 @@ def test_nothing_graded_says_so(tmp_path):
     assert all(rep["accuracy"][x]["all_graded"]["answered_rate"] == 0 for x in "ab")
     summary = (tmp_path / "o" / "summary.md").read_text()
     assert "**Nothing was graded: no request of either arm gave an answer" in summary and "Raise --max-tokens." in summary
-    assert "no difference resolved" not in summary and "Verdict" not in summary
+    assert "no difference resolved" not in summary  # no accuracy comparison
+    # The logprob verdict (verdict.py) is its own section: these fake arms return no logprobs,
+    # so it is undecided, never agree.
+    assert "**Verdict: undecided**" in summary and "Verdict: agree" not in summary
 
 
 def test_free_prompts_no_empty_table(tmp_path):

@@ -47,6 +47,12 @@ def _httpx():
     return httpx
 
 
+def require_httpx() -> None:
+    """ABError naming the package when httpx is missing: checked before a run touches its
+    output directory."""
+    _httpx()
+
+
 def normalize_base_url(url: str) -> str:
     """'http://h:p', 'http://h:p/' or 'http://h:p/v1' -> 'http://h:p' (no trailing slash)."""
     url = url.strip().rstrip("/")

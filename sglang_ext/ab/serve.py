@@ -29,7 +29,7 @@ from ...common.files import write_text_atomic
 from ...common.outputs import OutputPathError, check_output_dir
 from ...common.progress import progress_bar
 from . import plots
-from .client import ChatClient, Completion
+from .client import ChatClient, Completion, require_httpx
 from .datasets import load_prompt_set
 from .errors import ABError, InputError
 from .grading import GRADING_RULE, grade
@@ -255,6 +255,7 @@ def run_serve_ab(cfg: ServeConfig) -> ServeABReport:
         raise ABError(f"the two arms need different names, both are {cfg.arms[0][0]!r}")
     if cfg.seeds < 1:
         raise ABError(f"--seeds must be >= 1, got {cfg.seeds}")
+    require_httpx()  # a core install: one line naming the package, the output directory untouched
     try:  # before any request: a run of hours must not fail when it writes its report
         check_output_dir(cfg.out_dir, "--out")
     except OutputPathError as e:
