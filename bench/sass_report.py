@@ -231,8 +231,9 @@ def last_arrival_index(statics: "Statics", fp4_jobs: dict, fp4_results: list[dic
     the rows it serves; errors of compiles that wrote no PTX."""
     entries: dict = {}
     errors = []
-    w4a16 = [(statics.cache.get(key, {}), statics.uses.get(key, []), job) for key, job in statics.jobs_seen.items()]
-    for result, rows, job in w4a16:
+    w4a16 = [(statics.cache.get(key, {}), statics.uses.get(key, []), job, key[2])
+             for key, job in statics.jobs_seen.items()]
+    for result, rows, job, fmt in w4a16:
         kind, cfg = job[0], job[1]
         if not (kind == "gemm2" or cfg.gemm(kind).split_k > 1):
             continue
@@ -241,7 +242,8 @@ def last_arrival_index(statics: "Statics", fp4_jobs: dict, fp4_results: list[dic
             continue
         e = entries.setdefault(result["ptx"]["hash"], {**result["ptx"], "family": "w4a16", "rows": [],
                                                        "label": f"w4a16 sm{job[5]} {kind} {cfg.gemm(kind).label()}"
-                                                                + (" atomic" if cfg.gemm(kind).atomic_reduce else "")})
+                                                                + (" atomic" if cfg.gemm(kind).atomic_reduce else "")
+                                                                + f" {fmt}"})
         e["rows"] += [f"{r} {kind}" for r in rows]
     for (job, rows), result in zip(fp4_jobs.items(), fp4_results):
         if "error" in result:
