@@ -235,6 +235,8 @@ def violations(ptx: str, params: list[str], buffer: str, counters: str = "ticket
                 found.append(f"{where}: {what} reaches the arrival on a path without bar.sync: line {s.line}: {s.text}")
         for ld in loads:
             what = "a load of the buffer" if prog.params_of(ld) else "a load whose address the analysis cannot follow"
+            if ".nc" in ld.op:  # texture path: outside the memory model (PTX ISA section 8.1)
+                found.append(f"{where}: {what} through the non-coherent path (.nc): line {ld.line}: {ld.text}")
             if ld.line in after_unsynced:
                 found.append(f"{where}: {what} reached from the arrival on a path without bar.sync: "
                              f"line {ld.line}: {ld.text}")
