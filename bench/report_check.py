@@ -9,6 +9,11 @@ and they break on any compiler update by design, so they run here and not in `ma
 - **moved rows**: every prediction of this run (our rows, both FP4 modes' MMA rows, the B200 rows,
   the peers' rows where built) against the committed report (bench/results/perf-model.json),
   row by row, naming the row and the fields that moved;
+- **the dequant's opcode counts** (the H200 decode rows, M = 1 on TP16 / EP16, both checkpoint
+  formats): exactly 4 bf16x2 scale products per word of 8 weights, 5 rotations per word plus at
+  most one per 2 words for the scales (NVFP4; per 4 for E8M0), no PRMT (byte shuffles), no
+  I2F/F2F, no spill: the dequant's design, which a compiler update must not undo (moved here
+  from make test: they break on any compiler update by design);
 - the loop budgets and KNOWN_MISSES, which sass_report applies to every row (its `ok`);
 - **peer builds** (when the report built the peers): libk3marlin.so built from SGLang's sources and
   its self-check (exports, linkage, argument checks, the wrapper's errors), and the shape of
@@ -68,6 +73,40 @@ def stale_tile_rows(rows: list[dict]) -> list[str]:
                 out.append(f"{where}: {k['ctas_per_sm']} CTAs/SM < the table's {modelled}")
             if measured > 1.05 * table or (kind == "gemm1" and measured < 0.95 * table):
                 out.append(f"{where}: loop {measured} instructions vs table {table}")
+    return out
+
+
+OPCODE_SHARDS = ("tp16", "ep16")  # the decode rows whose dequant opcodes are counted
+
+
+def opcode_findings(rows: list[dict]) -> list[str]:
+    """The dequant's exact opcode counts in the hot K loop of the H200 decode rows (M = 1,
+    OPCODE_SHARDS, both checkpoints): per thread and iteration ``words`` words of 8 weights; 4
+    bf16x2 products (f16x2) per word; 5 SHF.L.W.U32.HI per word plus at most words // 2 (NVFP4's
+    1-byte scales) or words // 4 (E8M0 per 32) for the scale words; PRMT 0; no I2F/F2F; no
+    local memory in the loop. One line per breach, naming the row and the GEMM."""
+    out = []
+    picked = [r for r in rows if r.get("implementation", "k3nvfp4") == "k3nvfp4" and r.get("device") == "H200"
+              and r.get("M") == 1 and r.get("shard") in OPCODE_SHARDS]
+    if rows and not picked:
+        return [f"opcode counts: no H200 decode row (M = 1, {'/'.join(OPCODE_SHARDS)}) in the report"]
+    for r in picked:
+        if "error" in r:
+            out.append(f"H200 {r['checkpoint']} {r['shard']} M=1: {r['error']}")
+            continue
+        for k in r["kernels"]:
+            where = f"H200 {r['checkpoint']} {r['shard']} M=1 {k['name']}"
+            mix, fam = k.get("opcode_mix", {}), k.get("family_mix", {})
+            words = k["weights_per_iteration"] // k["num_warps"] // 32 // 8
+            rotations = mix.get("SHF.L.W.U32.HI", 0) - 5 * words
+            limit = words // 2 if r["checkpoint"] == "nvfp4" else words // 4
+            checks = [(k["mma_per_iteration"] > 0, f"no MMA in the loop"),
+                      (k["local_bytes"] == 0 and k["local_memory_ops_in_loop"] == 0, "spills"),
+                      (fam.get("convert", 0) == 0, f"{fam.get('convert')} I2F/F2F in the dequant"),
+                      (fam.get("f16x2", 0) == 4 * words, f"f16x2 {fam.get('f16x2', 0)} != 4 x {words} words"),
+                      (0 <= rotations <= limit, f"scale rotations {rotations} outside 0..{limit} ({words} words)"),
+                      (mix.get("PRMT", 0) == 0, f"PRMT {mix.get('PRMT')} (byte shuffles)")]
+            out += [f"{where}: {what}" for ok, what in checks if not ok]
     return out
 
 
@@ -191,6 +230,7 @@ def flashinfer_findings(statics: list[dict]) -> list[str]:
 def run_checks(result: dict, committed_path: pathlib.Path = COMMITTED) -> list[str]:
     """Every finding of --check, one line each (empty: nothing moved, nothing stale)."""
     findings = [f"stale W4A16 tile table: {x}" for x in stale_tile_rows(result.get("rows", []))]
+    findings += [f"dequant opcodes: {x}" for x in opcode_findings(result.get("rows", []))]
     if result.get("marlin", {}).get("available"):
         findings += marlin_library_findings()
     if result.get("flashinfer", {}).get("available"):

@@ -29,6 +29,12 @@ is stale or a row moved against the committed report (report_check.py; bench/REA
 to run it):
 
   python -P bench/sass_report.py --check --out /tmp/perf-model.json    # compare, keep the committed one
+
+With --ptx-dir DIR it also writes the PTX of every distinct compiled kernel that sums by last
+arrival (W4A16 GEMM2, and GEMM1 where split over K, of every row; the same of the FP4 modes'
+shipped configs at B200_M), one file per compiled kernel (named by Triton's hash), and
+DIR/index.json naming the report rows each serves: tests/test_memory_ordering.py checks their
+release / acquire dataflow (tests/ptx_ordering.py) on the compiles this report made.
 """
 
 from __future__ import annotations
@@ -143,15 +149,111 @@ def baseline_heuristic(rev: str):
     return getattr(mod, "heuristic_moe_config", None) or mod.MoEConfig.heuristic
 
 
-def _measure_job(job: tuple) -> dict:
-    """One offline compile and measurement (a worker process's task; Statics.prefetch)."""
-    from k3nvfp4.kernels.offline.compile import measure_gemm
+def _measure_job(job: tuple, ptx_dir: str | None = None) -> dict:
+    """One offline compile and measurement (a worker process's task; Statics.prefetch). With
+    ptx_dir, a GEMM that sums by last arrival also has its PTX written there (_write_ptx; the
+    second compile_gemm is a hit in Triton's cache)."""
+    from k3nvfp4.kernels.offline.compile import compile_gemm, measure_gemm
 
     kind, cfg, H, I, top_k, arch, kernel_id = job
     try:
-        return measure_gemm(kind, cfg, H, I, top_k, arch, scale_fmt=kernel_id)
+        out = measure_gemm(kind, cfg, H, I, top_k, arch, scale_fmt=kernel_id)
+        if ptx_dir and (kind == "gemm2" or cfg.gemm(kind).split_k > 1):
+            out["ptx"] = _write_ptx(compile_gemm(kind, cfg, H, I, top_k, arch, scale_fmt=kernel_id), kind, ptx_dir)
+        return out
     except Exception as e:  # reported in the row, not hidden
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+LAST_ARRIVAL_BUFFER = {"gemm1": "part_ptr", "gemm2": "buf_ptr"}  # the buffer each last-arrival sum goes through
+
+
+def _write_ptx(compiled, kind: str, ptx_dir: str) -> dict:
+    """Write a compiled kernel's PTX as <ptx_dir>/<hash>.ptx; returns its index entry: hash,
+    file, the PTX parameter names (Triton's signature without constexprs) and the buffer
+    parameter its last-arrival sum goes through."""
+    path = pathlib.Path(ptx_dir) / f"{compiled.hash}.ptx"
+    write_text_atomic(path, compiled.asm["ptx"])
+    return {"hash": compiled.hash, "ptx": path.name, "kind": kind, "buffer": LAST_ARRIVAL_BUFFER[kind],
+            "params": [k for k, v in compiled.src.signature.items() if v != "constexpr"]}
+
+
+def _fp4_ptx_job(job: tuple, ptx_dir: str) -> dict:
+    """Compile one shipped FP4-mode GEMM (its own split-K, unlike the measured rows' split 2)
+    and write its PTX (a worker process's task; fp4_last_arrival_ptx)."""
+    from k3nvfp4.kernels.offline.compile import compile_fp4_gemm
+
+    kind, mode, cfg, H, I, top_k = job
+    try:
+        return _write_ptx(compile_fp4_gemm(kind, mode, cfg, H, I, top_k, arch=100), kind, ptx_dir)
+    except Exception as e:  # reported in the index and the errors, not hidden
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def _pool_map(fn, items: list, workers: int | None) -> list:
+    """fn over items in ``workers`` spawned processes (default one per CPU), in order."""
+    workers = min(workers or os.cpu_count() or 1, len(items))
+    if workers <= 1:
+        return [fn(x) for x in items]
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    # spawn, not fork: the parent has torch's and Triton's threads running.
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(fn, items))
+
+
+def fp4_last_arrival_jobs() -> dict:
+    """{job: [row names]}: the FP4 modes' shipped GEMMs that sum by last arrival (GEMM2; GEMM1
+    where split over K) at the report's FP4 rows (fp4_modes_model: MODES x B200_SHARDS x B200_M,
+    FP4MoEConfig.heuristic for the B200), each job (kind, mode, config, H, I, top_k)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import fp4_modes_model as b200
+
+    from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.moe_fp4_details.config import FP4MoEConfig
+
+    jobs: dict = {}
+    for mode in b200.MODES:
+        for sname in b200.B200_SHARDS:
+            s = pm.K3_SHARDS[sname]
+            for M in b200.B200_M:
+                cfg = FP4MoEConfig.heuristic(s.local_experts, s.hidden, s.intermediate, s.top_k, M, act_quant=mode,
+                                             num_global_experts=s.global_experts, device_name="B200")
+                for kind in ("gemm1", "gemm2"):
+                    if kind == "gemm2" or cfg.split_k1 > 1:
+                        jobs.setdefault((kind, mode, cfg, s.hidden, s.intermediate, s.top_k), []).append(
+                            f"B200 k3nvfp4 {mode} {sname} M={M} {kind}")
+    return jobs
+
+
+def last_arrival_index(statics: "Statics", fp4_jobs: dict, fp4_results: list[dict]) -> dict:
+    """The index of --ptx-dir: one entry per distinct compiled kernel (by Triton's hash) with
+    the rows it serves; errors of compiles that wrote no PTX."""
+    entries: dict = {}
+    errors = []
+    w4a16 = [(statics.cache.get(key, {}), statics.uses.get(key, []), job, key[2])
+             for key, job in statics.jobs_seen.items()]
+    for result, rows, job, fmt in w4a16:
+        kind, cfg = job[0], job[1]
+        if not (kind == "gemm2" or cfg.gemm(kind).split_k > 1):
+            continue
+        if "ptx" not in result:
+            errors.append(f"sm_{job[5]} {kind} {cfg.gemm(kind).label()}: no PTX ({result.get('error', 'not compiled')})")
+            continue
+        e = entries.setdefault(result["ptx"]["hash"], {**result["ptx"], "family": "w4a16", "rows": [],
+                                                       "label": f"w4a16 sm{job[5]} {kind} {cfg.gemm(kind).label()}"
+                                                                + (" atomic" if cfg.gemm(kind).atomic_reduce else "")
+                                                                + f" {fmt}"})
+        e["rows"] += [f"{r} {kind}" for r in rows]
+    for (job, rows), result in zip(fp4_jobs.items(), fp4_results):
+        if "error" in result:
+            errors.append(f"sm_100 {job[1]} {job[0]} {job[2].label()}: {result['error']}")
+            continue
+        e = entries.setdefault(result["hash"], {**result, "family": job[1], "rows": [],
+                                                "label": f"{job[1]} sm100 {job[0]} {job[2].label()}"})
+        e["rows"] += rows
+    return {"kernels": sorted(entries.values(), key=lambda e: e["label"]), "errors": errors}
 
 
 class Statics:
@@ -159,24 +261,30 @@ class Statics:
     records which compiles a pass over the rows needs (the rows it returns are discarded), so that
     :meth:`prefetch` can run them in parallel before the real pass."""
 
-    def __init__(self, planning: bool = False):
+    def __init__(self, planning: bool = False, ptx_dir: str | None = None):
         self.cache: dict = {}
         self.errors: list[str] = []
         self.planning = planning
+        self.ptx_dir = ptx_dir  # where _measure_job writes the last-arrival GEMMs' PTX
         self.jobs: dict = {}  # key -> job tuple, in first-seen order
+        self.jobs_seen: dict = {}  # key -> job tuple of every get (also when not planning)
+        self.uses: dict = {}  # key -> the rows ("device checkpoint shard M=") that use it
 
     @staticmethod
     def _key(kind: str, cfg, shard, fmt) -> tuple:
         return (cfg.gemm(kind), (shard.hidden % cfg.block_k1 == 0, shard.intermediate % cfg.block_k2 == 0), fmt.name)
 
-    def get(self, kind: str, cfg, shard, arch: int, fmt) -> dict:
+    def get(self, kind: str, cfg, shard, arch: int, fmt, row: str | None = None) -> dict:
         key = (*self._key(kind, cfg, shard, fmt), arch)
         job = (kind, cfg, shard.hidden, shard.intermediate, shard.top_k, arch, fmt.kernel_id)
+        self.jobs_seen.setdefault(key, job)
+        if row is not None and row not in self.uses.setdefault(key, []):
+            self.uses[key].append(row)
         if self.planning:
             self.jobs.setdefault(key, job)
             return {"error": "planned"}
         if key not in self.cache:
-            self._store(key, job, _measure_job(job))
+            self._store(key, job, _measure_job(job, self.ptx_dir))
         return self.cache[key]
 
     def _store(self, key: tuple, job: tuple, result: dict) -> None:
@@ -190,19 +298,12 @@ class Statics:
         ``workers`` processes (default: one per CPU). Each compile is single-threaded: Triton's
         passes, ptxas, cuobjdump and nvdisasm one after the other, so on two cores two at a time
         halve the report's time."""
-        todo = {k: j for k, j in jobs.items() if k not in self.cache}
-        workers = min(workers or os.cpu_count() or 1, len(todo))
-        if workers <= 1:
-            for k, j in todo.items():
-                self._store(k, j, _measure_job(j))
-            return
-        import concurrent.futures as cf
-        import multiprocessing as mp
+        import functools
 
-        # spawn, not fork: the parent has torch's and Triton's threads running.
-        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-            for (k, j), result in zip(todo.items(), pool.map(_measure_job, todo.values())):
-                self._store(k, j, result)
+        todo = {k: j for k, j in jobs.items() if k not in self.cache}
+        results = _pool_map(functools.partial(_measure_job, ptx_dir=self.ptx_dir), list(todo.values()), workers)
+        for (k, j), result in zip(todo.items(), results):
+            self._store(k, j, result)
 
 
 CHECKPOINTS = ("nvfp4", "mxfp4")  # the cast checkpoint (E5M3_16 layout), the MXFP4 release (E8M0_32)
@@ -232,7 +333,8 @@ def our_rows(device_name: str, shard_names, m_list, statics: Statics, heuristic=
                                      num_global_experts=shard.global_experts, scale_format=fmt)
             else:
                 cfg = heuristic(*args, arch=device.arch)
-            measured = {kind: statics.get(kind, cfg, shard, device.arch, fmt) for kind in ("gemm1", "gemm2")}
+            measured = {kind: statics.get(kind, cfg, shard, device.arch, fmt, f"{device_name} {checkpoint} {sname} M={M}")
+                        for kind in ("gemm1", "gemm2")}
             row = {"implementation": "k3nvfp4", "checkpoint": checkpoint, "device": device_name, "arch": device.sm_tag,
                    "shard": sname, "M": M, "config": cfg.to_dict()}
             if any("error" in m for m in measured.values()):
@@ -485,6 +587,9 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true",
                    help="also the change detectors (report_check.py): stale tile tables, and every row against "
                         "the committed report; exit 1 naming what moved")
+    p.add_argument("--ptx-dir", default=None,
+                   help="also write the PTX of every distinct compiled last-arrival kernel there, with index.json "
+                        "(tests/test_memory_ordering.py)")
     p.add_argument("--committed", default=str(REPO / "bench" / "results" / "perf-model.json"),
                    help="with --check: the report to compare with (default: the committed one)")
     return p.parse_args(argv)
@@ -514,13 +619,22 @@ def main(argv=None) -> int:
         print(f"--m-list: expected comma-separated integers, got {args.m_list!r}", file=sys.stderr)
         return 2
     heuristic = baseline_heuristic(args.baseline) if args.baseline else None
-    statics = Statics()
+    statics = Statics(ptx_dir=args.ptx_dir)
+    if args.ptx_dir:
+        pathlib.Path(args.ptx_dir).mkdir(parents=True, exist_ok=True)
     passes = [(d, args.shards.split(",") if args.shards else DEVICE_SHARDS[d], ckpt)
               for d in devices for ckpt in (CHECKPOINTS if not args.baseline else ("nvfp4",))]
     plan = Statics(planning=True)  # which compiles the rows need, then all of them in parallel
     for d, shards, ckpt in passes:
         our_rows(d, shards, m_list, plan, heuristic, ckpt)
     statics.prefetch(plan.jobs, args.workers)
+    fp4_ptx = None
+    if args.ptx_dir and "B200" in devices and not args.baseline:
+        import functools
+
+        fp4_jobs = fp4_last_arrival_jobs()
+        fp4_ptx = (fp4_jobs, _pool_map(functools.partial(_fp4_ptx_job, ptx_dir=args.ptx_dir), list(fp4_jobs),
+                                       args.workers))
     rows = []
     for d, shards, ckpt in passes:
         rows += our_rows(d, shards, m_list, statics, heuristic, ckpt)
@@ -548,6 +662,11 @@ def main(argv=None) -> int:
         result["b200"] = {"fp4": b200.fp4_rows(statics.errors), "w4a16": b200.w4a16_rows(our_rows, statics),
                           "flashinfer_published_tp8_us": b200.FLASHINFER_B200_TP8_US,
                           "before_commit": b200.BEFORE_COMMIT}
+    if args.ptx_dir:
+        index = last_arrival_index(statics, *(fp4_ptx or ({}, [])))
+        statics.errors += index["errors"]
+        write_json_atomic(pathlib.Path(args.ptx_dir) / "index.json", index, indent=1)
+        result["last_arrival_kernels"] = len(index["kernels"])
     out = pathlib.Path(args.out) if args.out else REPO / "bench" / "results" / "perf-model.json"
     write_json_atomic(out, result, indent=1)
     md = markdown(result)

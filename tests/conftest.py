@@ -6,6 +6,7 @@ set before any Triton kernel is defined, so it is set here, before test modules 
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -35,3 +36,12 @@ SLOW_FIRST = ("test_launch_configs.py", "test_real_server_k3.py", "test_mxfp4_se
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise
+
+
+@pytest.fixture(scope="session")
+def static_report(tmp_path_factory):
+    """bench/sass_report.py's compiles of every shipped kernel, once per test session (shared by
+    the xdist workers): tests/shared_compiles.py."""
+    from shared_compiles import static_report as run
+
+    return run(tmp_path_factory)

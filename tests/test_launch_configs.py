@@ -5,37 +5,26 @@ memory, registers), spills nothing and has no I2F/F2F in its hot loop, compiled 
 Those are correctness on a GPU. The loop budgets, the tile table's freshness and the predictions
 are change detectors: `bench/sass_report.py --check` holds them (bench/README.md).
 
-One subprocess runs bench/sass_report.py without TRITON_INTERPRET (the kernels cannot be compiled
-under the interpreter) over M in powers of two 1..16384, about a minute of compiles.
+The compiles are the session's one run of bench/sass_report.py (tests/shared_compiles.py: no
+TRITON_INTERPRET, M in powers of two 1..16384), shared with tests/test_memory_ordering.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
+from shared_compiles import M_LIST
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-M_LIST = [2**i for i in range(15)]  # 1 .. 16384
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("model") / "perf-model.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-P", str(REPO / "bench" / "sass_report.py"), "--no-peers", "--m-list",
-         ",".join(map(str, M_LIST)), "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=1800,
-    )  # fmt: skip
-    assert out.is_file(), proc.stderr[-4000:]
-    result = json.loads(out.read_text())
-    result["_proc"] = proc
-    return result
+def report(static_report) -> dict:
+    assert static_report.result is not None, static_report.stderr_tail
+    return static_report.result
 
 
 def test_every_shipped_config_launches_without_spills(report):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..moe_details.e4m3_expand import expand_e2m1_to_e4m3
-from .compile_check import _require_compiler, compile_kernel
+from .compile import _require_compiler, compile_kernel
 
 # The FP8 wgmma of Hopper: K = 32 per instruction, fp32 accumulators, E4M3 x E4M3.
 WGMMA_E4M3 = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3")
