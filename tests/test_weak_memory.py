@@ -39,17 +39,16 @@ def _w4a16_call(atomic: bool, split_k1: int = 2):
 
 
 def _fp4_call():
-    from k3nvfp4.kernels.moe_details.weights import NVFP4MoEWeights
     from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights, FP4MoEConfig, fused_moe_fp4
     from k3nvfp4.kernels.testing import random_mxfp4_tensors, random_routing
 
     H4 = I4 = 128  # the FP4 MMAs take K steps of 64: two per GEMM, one per slice
-    w = FP4MMAWeights.from_nvfp4(NVFP4MoEWeights.from_mxfp4(*random_mxfp4_tensors(E, H4, I4, seed=2)))
+    w = FP4MMAWeights.from_mxfp4(*random_mxfp4_tensors(E, H4, I4, seed=2), act_quant="nvfp4")
     tw, ids = random_routing(M, K, E, seed=2)
     x = torch.randn(M, H4, generator=torch.Generator().manual_seed(2))
     cfg = FP4MoEConfig(block_m=16, swap_ab=True, block_n1=64, block_n2=128, block_k1=64, block_k2=64, split_k1=2,
                        split_k2=2)
-    return lambda: fused_moe_fp4(x, w, tw, ids, act_quant="nvfp4", config=cfg)
+    return lambda: fused_moe_fp4(x, w, tw, ids, config=cfg)
 
 
 CALLS = {"w4a16": lambda: _w4a16_call(False), "w4a16 atomic": lambda: _w4a16_call(True), "nvfp4": _fp4_call,
