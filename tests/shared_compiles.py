@@ -22,6 +22,7 @@ from filelock import FileLock
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 M_LIST = [2**i for i in range(15)]  # 1 .. 16384
+TIMEOUT_S = 2400
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,17 @@ def static_report(tmp_path_factory) -> StaticReport:
     with FileLock(str(folder) + ".lock"):
         if not done.is_file():
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-            proc = subprocess.run(
-                [sys.executable, "-P", str(REPO / "bench" / "sass_report.py"), "--no-peers", "--m-list",
-                 ",".join(map(str, M_LIST)), "--out", str(out), "--ptx-dir", str(ptx_dir)],
-                capture_output=True, text=True, env=env, timeout=2400,
-            )  # fmt: skip
-            done.write_text(json.dumps({"returncode": proc.returncode, "stderr_tail": proc.stderr[-4000:]}))
+            cmd = [sys.executable, "-P", str(REPO / "bench" / "sass_report.py"), "--no-peers", "--m-list",
+                   ",".join(map(str, M_LIST)), "--out", str(out), "--ptx-dir", str(ptx_dir)]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+                status = {"returncode": proc.returncode, "stderr_tail": proc.stderr[-4000:]}
+            except subprocess.TimeoutExpired as exc:
+                # Recorded like any failure: the workers waiting on the lock must not run it again.
+                tail = (exc.stderr or b"")[-4000:]
+                status = {"returncode": -1, "stderr_tail": f"timed out after {TIMEOUT_S} s\n"
+                          + (tail.decode(errors="replace") if isinstance(tail, bytes) else tail)}
+            done.write_text(json.dumps(status))
     status = json.loads(done.read_text())
     result = json.loads(out.read_text()) if out.is_file() else None
     return StaticReport(result, ptx_dir, status["returncode"], status["stderr_tail"])
