@@ -48,7 +48,7 @@ import fp4_spec as spec
 U_ACC = 2.0**-23
 EPS_ACT = 32 * 2.0**-24
 # One whole ulp of the output dtype, relative: a GPU's cast rounds to nearest (half an ulp), Triton's
-# interpreter truncates fp32 -> bf16 (a known interpreter defect), and the bound is the same for both.
+# interpreter truncates fp32 -> bf16 (docs/facts.md#triton), and the bound is the same for both.
 OUT_UNIT = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 _TINY = 2.0**-147  # fp32 subnormal rounding of the activation (absolute)
 
