@@ -187,7 +187,8 @@ class WholeCall:
     elementwise); unquantized: the same call with the float64 intermediate (not quantized);
     a: the float64 intermediate [P, I] (served pairs, pair order); window_lo / window_hi / deq:
     float64 [P, I], the kernel's possible dequantized intermediate values and the oracle's;
-    flushed_blocks: the fraction of the intermediate's blocks the oracle flushes to 0 (nvfp4)."""
+    flushed_blocks: the fraction of the intermediate's blocks the oracle flushes to 0 (nvfp4);
+    gemm1: the served pairs and their experts; out_dtype: the call's output dtype's name."""
 
     out: np.ndarray
     a: np.ndarray
@@ -197,6 +198,8 @@ class WholeCall:
     window_hi: np.ndarray
     deq: np.ndarray
     flushed_blocks: float
+    gemm1: oracle.Gemm1
+    out_dtype: str
 
     @property
     def open_fraction(self) -> float:
@@ -231,16 +234,39 @@ def whole_call(x: np.ndarray, w: oracle.OracleWeights, topk_weights: np.ndarray,
         raise AssertionError("whole_call: the oracle's intermediate falls outside its own window")
     scale_bits = q.scale_bits if mode == "nvfp4" else None
     flushed = float((scale_bits == 0).mean()) if scale_bits is not None and scale_bits.size else 0.0
+    out, bound = gemm2_with_bound(deq, lo, hi, g1, w, topk_weights, M, routed_scaling_factor, out_dtype)
+    unquantized = oracle.gemm2(g1.a, g1, w, topk_weights, M, routed_scaling_factor)
+    return WholeCall(out, g1.a, bound, unquantized, lo, hi, deq, flushed, g1, out_dtype)
+
+
+def gemm2_with_bound(deq: np.ndarray, lo: np.ndarray, hi: np.ndarray, g1: oracle.Gemm1, w: oracle.OracleWeights,
+                     topk_weights: np.ndarray, M: int, routed_scaling_factor: float | None,
+                     out_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(4) and (5) of the module docstring: GEMM2 of the dequantized intermediate deq float64 [P, I]
+    (rows of g1.pairs) -> (out, bound) float64 [M, H], where the kernel's intermediate may be any
+    values in [lo, hi] (lo = hi = deq: the kernel's own intermediate, arithmetic only)."""
+    k = topk_weights.shape[1]
+    I = deq.shape[1]
     out = oracle.gemm2(deq, g1, w, topk_weights, M, routed_scaling_factor)
-    rsf = 1.0 if routed_scaling_factor is None else abs(float(routed_scaling_factor))
     w2_abs = np.abs(w.w2)
     dev = np.maximum(hi - deq, deq - lo)
     mag = np.maximum(np.abs(lo), np.abs(hi))
-    per_pair = (oracle._per_expert(dev, experts, w2_abs) + gamma(I + k + 8) * oracle._per_expert(mag, experts, w2_abs))
-    per_pair *= (np.abs(w.s2[experts]) * np.abs(np.asarray(topk_weights, np.float64).reshape(-1)[pairs]))[:, None]
-    pre = np.zeros((M, H))
-    np.add.at(pre, pairs // k, per_pair)
-    pre *= rsf
-    bound = pre + OUT_UNIT[out_dtype] * (np.abs(out) + pre)
-    unquantized = oracle.gemm2(g1.a, g1, w, topk_weights, M, routed_scaling_factor)
-    return WholeCall(out, g1.a, bound, unquantized, lo, hi, deq, flushed)
+    per_pair = oracle._per_expert(dev, g1.experts, w2_abs) + gamma(I + k + 8) * oracle._per_expert(mag, g1.experts, w2_abs)
+    per_pair *= (np.abs(w.s2[g1.experts]) * np.abs(np.asarray(topk_weights, np.float64).reshape(-1)[g1.pairs]))[:, None]
+    pre = np.zeros((M, w.w2.shape[1]))
+    np.add.at(pre, g1.pairs // k, per_pair)
+    pre *= 1.0 if routed_scaling_factor is None else abs(float(routed_scaling_factor))
+    return out, pre + OUT_UNIT[out_dtype] * (np.abs(out) + pre)
+
+
+def decode_intermediate(mode: str, rows: np.ndarray, q: np.ndarray, scales: np.ndarray,
+                        row_scale: np.ndarray | float | None) -> np.ndarray:
+    """A kernel's stored intermediate, decoded with ml_dtypes -> float64 [len(rows), I] (row scale
+    included): nvfp4 q = packed E2M1 uint8 [R, I/2], scales = E4M3 bytes [R, I/16], row_scale fp32
+    [R] (dynamic) or the static scale; mxfp8 q = E4M3 bytes [R, I], scales = E8M0 bytes [R, I/32]."""
+    if mode == "nvfp4":
+        rs = np.asarray(row_scale, np.float32)
+        rs = np.full(len(rows), rs, np.float32) if rs.ndim == 0 else rs[rows]
+        codes = oracle._nibbles(q[rows])
+        return spec.NVFP4Rows(codes, q[rows], scales[rows], rs).dequantize()
+    return spec.MXFP8Rows(q[rows], scales[rows]).dequantize()

@@ -10,7 +10,7 @@ intermediate scale from the activation's bound itself (fp4_moe_oracle.situ_stati
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import fp4_moe_oracle as oracle
 import fp4_oracle_bound as bound
 from k3nvfp4.kernels.activation import K3_SITU, GatedActivation
 from k3nvfp4.kernels.moe_fp4 import FP4MMAWeights, FP4MoEConfig, fused_moe_fp4
+from k3nvfp4.kernels.moe_fp4_details import kernels as _k
 from k3nvfp4.kernels.testing import random_mxfp4_tensors, random_routing
 
 _OUT_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -118,14 +119,110 @@ def compare_with_oracle(got: torch.Tensor, ref: bound.WholeCall) -> Comparison:
     return c
 
 
+class KernelRecorder:
+    """Within ``with``, records the named arguments of every launch of GEMM1 and of the row
+    quantizer (moe_fp4_details.kernels) by wrapping their launchers' ``run`` (what kernel[grid](...)
+    calls, on a GPU and in the interpreter alike); the tensors are kept by reference (each buffer
+    is written once per call), read after the call."""
+
+    NAMES = ("fp4_gemm1_kernel", "quant_rows_kernel")
+
+    def __init__(self):
+        self.calls: dict[str, list[dict]] = {}
+        self._saved = []
+
+    def __enter__(self) -> "KernelRecorder":
+        for name in self.NAMES:
+            fn = getattr(_k, name)
+            own = fn.__dict__.get("run")
+            run = fn.run
+
+            def recorded(*args, grid, warmup, _fn=fn, _run=run, _name=name, **kwargs):
+                result = _run(*args, grid=grid, warmup=warmup, **kwargs)
+                self.calls.setdefault(_name, []).append(dict(zip(_fn.arg_names, args), **kwargs))
+                return result
+
+            fn.run = recorded
+            self._saved.append((fn, own))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fn, own in self._saved:
+            if own is None:
+                del fn.run
+            else:
+                fn.run = own
+        self._saved.clear()
+
+    def intermediate(self, mode: str, ref: bound.WholeCall, M: int, k: int) -> np.ndarray:
+        """The call's quantized intermediate for the oracle's served pairs (pair order), decoded
+        -> float64 [P, I]: GEMM1's epilogue output (static NVFP4, MXFP8) or the row quantizer's
+        (dynamic NVFP4), its rows mapped to pairs through GEMM1's sorted pair ids."""
+        (g1,) = self.calls["fp4_gemm1_kernel"]
+        sorted_ids = g1["sorted_ids_ptr"].cpu().numpy()
+        n_padded = int(g1["num_padded_ptr"].cpu()[0])
+        real = np.nonzero(sorted_ids[:n_padded] < M * k)[0]
+        row_of = dict(zip(sorted_ids[real].tolist(), real.tolist()))
+        rows = np.array([row_of[p] for p in ref.gemm1.pairs.tolist()], dtype=np.int64)
+        inter = [c for c in self.calls.get("quant_rows_kernel", []) if c.get("HAS_NUM_ROWS")]
+        if g1["OUT_F32"]:
+            (qr,) = inter
+            q, s, rs = qr["q_ptr"], qr["s_ptr"], qr["rs_ptr"].cpu().numpy()
+        else:
+            q, s, rs = g1["o_ptr"], g1["os_ptr"], g1["inter_scale"]
+        return bound.decode_intermediate(mode, rows, _bytes(q), _bytes(s), rs)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).numpy()
+
+
+@dataclass(frozen=True)
+class OracleCheck:
+    """What run_against_oracle found: whole, the call against the oracle with the windows of the
+    intermediate's codes; stage, the call against GEMM2 of the call's own intermediate (arithmetic
+    only: the tight one); changed_codes: the intermediate values where the call's code differs from
+    the oracle's (each inside its window)."""
+
+    whole: Comparison
+    stage: Comparison
+    changed_codes: int
+
+    def describe(self) -> str:
+        return (f"whole call: {self.whole.describe()}; own intermediate: {self.stage.describe()}; "
+                f"changed codes {self.changed_codes}")
+
+
 def run_against_oracle(p: FP4Problem, *, activation: GatedActivation = K3_SITU, intermediate_scale: str = "auto",
                        config: FP4MoEConfig | None = None, routed_scaling_factor: float | None = None,
-                       deterministic: bool = False) -> tuple[torch.Tensor, Comparison, bound.WholeCall]:
-    """fused_moe_fp4 on the problem, compared with its oracle (compare_with_oracle raises past the
-    bound) -> (the call's output, the comparison, the oracle)."""
-    got = fused_moe_fp4(p.x, p.weights, p.topk_weights, p.topk_ids, activation=activation,
-                        intermediate_scale=intermediate_scale, config=config,
-                        routed_scaling_factor=routed_scaling_factor, deterministic=deterministic)
+                       deterministic: bool = False) -> tuple[torch.Tensor, OracleCheck, bound.WholeCall]:
+    """fused_moe_fp4 on the problem against its oracle, three ways (each raises AssertionError past
+    its bound): the output within the whole-call bound; the call's own quantized intermediate
+    (recorded) within the oracle's windows, value for value; the output within the arithmetic-only
+    bound of GEMM2 fed that intermediate. -> (the call's output, the check, the oracle)."""
+    with KernelRecorder() as rec:
+        got = fused_moe_fp4(p.x, p.weights, p.topk_weights, p.topk_ids, activation=activation,
+                            intermediate_scale=intermediate_scale, config=config,
+                            routed_scaling_factor=routed_scaling_factor, deterministic=deterministic)
+        got_host = got.detach().cpu()
     ref = oracle_call(p, activation=activation, intermediate_scale=intermediate_scale,
                       routed_scaling_factor=routed_scaling_factor)
-    return got, compare_with_oracle(got, ref), ref
+    whole = compare_with_oracle(got_host, ref)
+    M, k = p.topk_ids.shape
+    mine = rec.intermediate(p.mode, ref, M, k)
+    outside = (mine < ref.window_lo) | (mine > ref.window_hi)
+    if outside.any():
+        i, j = np.argwhere(outside)[0]
+        raise AssertionError(f"the call's intermediate [{i}, {j}] (pair {ref.gemm1.pairs[i]}) = {mine[i, j]!r} lies "
+                             f"outside the oracle's window [{ref.window_lo[i, j]!r}, {ref.window_hi[i, j]!r}] "
+                             f"({int(outside.sum())} values outside)")
+    out2, bound2 = bound.gemm2_with_bound(mine, mine, mine, ref.gemm1, p.oracle_weights, p.topk_weights.cpu().numpy(),
+                                          M, routed_scaling_factor, ref.out_dtype)
+    stage = compare_with_oracle(got_host, _replace_out(ref, out2, bound2))
+    changed = np.abs(mine - ref.deq) > 2.0**-10 * np.maximum(np.abs(mine), np.abs(ref.deq))  # not a row scale's ulp
+    return got, OracleCheck(whole, stage, int(changed.sum())), ref
+
+
+def _replace_out(ref: bound.WholeCall, out: np.ndarray, b: np.ndarray) -> bound.WholeCall:
+    return replace(ref, out=out, bound=b)

@@ -24,11 +24,12 @@ import triton.language as tl
 
 import fp4_oracle_bound as fp4_bound
 import test_moe_fp4_gpu as gpu_tests
-from fp4_whole_call import compare_with_oracle, fp4_problem, oracle_call, run_against_oracle
+from fp4_whole_call import KernelRecorder, compare_with_oracle, fp4_problem, oracle_call, run_against_oracle
 from k3nvfp4.kernels import NVFP4MoEWeights, fused_moe_nvfp4
 from k3nvfp4.kernels.activation import K3_SITU
 from k3nvfp4.kernels.moe_details.activation import TANH_POLY_MAX, _tanh, gated_act
 from k3nvfp4.kernels.moe_fp4 import FP4MoEConfig, fused_moe_fp4
+from k3nvfp4.kernels.moe_fp4_details import kernels as fp4_kernels
 from k3nvfp4.kernels.testing import random_mxfp4_tensors, random_routing
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -200,7 +201,8 @@ def test_fp4_modes_match_float64_oracle_at_small_input_scales(mode, inter, sourc
     print(f"{mode}/{inter} x{scale:g}: {c.describe()}, intermediate quantization moves {quant:.2e}, "
           f"open codes {ref.open_fraction:.4f}")
     assert np.linalg.norm(ref.out) > 0 and ref.flushed_blocks == 0
-    assert c.rel_bound <= 0.25 * quant and c.rel_bound <= 5e-3, (c.rel_bound, quant)
+    assert c.whole.rel_bound <= 0.25 * quant and c.whole.rel_bound <= 5e-3, (c.whole.rel_bound, quant)
+    assert c.stage.rel_bound <= 1e-4
     assert ref.open_fraction <= 0.05  # the kernel's rounding is free at a few codes, not at all of them
 
 
@@ -235,15 +237,21 @@ def test_nvfp4_static_intermediate_flushes_small_activations_as_the_oracle_does(
 
 
 def test_fp4_oracle_bound_rejects_a_wrong_call():
-    """The comparison can fail: a W4A4 output with the other intermediate scale (dynamic for
-    static) or off by 0.1% breaks the bound."""
+    """The comparisons can fail: a W4A4 output off by 0.1%, or one with the other intermediate
+    scale (dynamic for static), breaks the whole-call bound, and that call's intermediate lies
+    outside the static oracle's windows. The recorder leaves the kernels as it found them."""
     p = _fp4_problem("nvfp4", "modelopt", 1.0)
     got, c, ref = run_against_oracle(p)  # static: passes
+    assert c.changed_codes == 0 and c.stage.rel_bound <= 1e-4
     with pytest.raises(AssertionError, match="float64 oracle"):
         compare_with_oracle(got * 1.001, ref)
-    dynamic = fused_moe_fp4(p.x, p.weights, p.topk_weights, p.topk_ids, intermediate_scale="dynamic")
+    with KernelRecorder() as rec:
+        dynamic = fused_moe_fp4(p.x, p.weights, p.topk_weights, p.topk_ids, intermediate_scale="dynamic")
     with pytest.raises(AssertionError, match="float64 oracle"):
         compare_with_oracle(dynamic, ref)
+    mine = rec.intermediate("nvfp4", ref, FP4_M, FP4_K)
+    assert ((mine < ref.window_lo) | (mine > ref.window_hi)).mean() > 0.1
+    assert all("run" not in getattr(fp4_kernels, name).__dict__ for name in KernelRecorder.NAMES)
 
 
 @pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
