@@ -251,7 +251,8 @@ def gemm2_with_bound(deq: np.ndarray, lo: np.ndarray, hi: np.ndarray, g1: oracle
     w2_abs = np.abs(w.w2)
     dev = np.maximum(hi - deq, deq - lo)
     mag = np.maximum(np.abs(lo), np.abs(hi))
-    per_pair = oracle._per_expert(dev, g1.experts, w2_abs) + gamma(I + k + 8) * oracle._per_expert(mag, g1.experts, w2_abs)
+    per_pair = (oracle._per_expert(dev, g1.experts, w2_abs)
+                + gamma(I + k + 8) * oracle._per_expert(mag, g1.experts, w2_abs))
     per_pair *= (np.abs(w.s2[g1.experts]) * np.abs(np.asarray(topk_weights, np.float64).reshape(-1)[g1.pairs]))[:, None]
     pre = np.zeros((M, w.w2.shape[1]))
     np.add.at(pre, g1.pairs // k, per_pair)

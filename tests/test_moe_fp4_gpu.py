@@ -37,8 +37,9 @@ def check_call_against_oracle(act_quant, E, H, I, k, M, *, seed, config=None, de
     against the float64 oracle (fp4_whole_call.run_against_oracle: the whole call within the
     derived bound, the call's own intermediate codes within the oracle's windows, the output within
     the arithmetic-only bound of GEMM2 fed them: under 1% of the output, one bf16 ulp being 0.8%;
-    at most 1% of the intermediate's codes differ from the oracle's). Returns the call's output, or None where the installed Triton
-    cannot run the mode on this device: then the call must say so, never fall back.
+    at most 1% of the intermediate's codes differ from the oracle's). Returns the call's output,
+    or None where the installed Triton cannot run the mode on this device: then the call must say
+    so, never fall back.
     tests/test_situ_accuracy.py runs this function in the interpreter (device "cpu")."""
     p = fp4_problem(act_quant, E, H, I, M, k, seed=seed, dtype=torch.bfloat16, device=device)
     why = _supported(act_quant, device)
