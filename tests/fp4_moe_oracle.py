@@ -118,16 +118,39 @@ def gemm1(x: np.ndarray, w: OracleWeights, topk_ids: np.ndarray, *, mode: str, a
           beta: float = 4.0, linear_beta: float | None = 25.0, input_scale: float | None = None) -> Gemm1:
     """x float32 [M, H], topk_ids int [M, k] -> Gemm1 (module docstring)."""
     _, xd = quantize_activations(x, mode, input_scale)
-    E, two_i, _ = w.w13.shape
-    I = two_i // 2
-    ids = np.asarray(topk_ids).reshape(-1)
-    k = topk_ids.shape[1]
-    pairs = np.nonzero((ids >= 0) & (ids < E))[0]
-    experts = ids[pairs]
-    h = np.einsum("ph,pnh->pn", xd[pairs // k], w.w13[experts])
-    g = h[:, :I] * w.s13[experts, :1]
-    u = h[:, I:] * w.s13[experts, 1:]
+    g, u, _, _ = _gate_up(xd, w, topk_ids)
+    pairs, experts = _served_pairs(topk_ids, w.w13.shape[0])
     return Gemm1(pairs, experts, gated_activation_f64(g, u, activation, beta, linear_beta))
+
+
+def _served_pairs(topk_ids: np.ndarray, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """(pair indices p = t k + j with an expert id in [0, E), their experts), in pair order."""
+    ids = np.asarray(topk_ids).reshape(-1)
+    pairs = np.nonzero((ids >= 0) & (ids < E))[0]
+    return pairs, ids[pairs].astype(np.int64)
+
+
+def _per_expert(rows: np.ndarray, experts: np.ndarray, mats: np.ndarray) -> np.ndarray:
+    """rows float64 [P, K], mats [E, N, K] -> [P, N]: row p times mats[experts[p]]^T, one matmul
+    per expert (an einsum over [P, N, K] copies would take gigabytes at the GPU tests' sizes)."""
+    out = np.zeros((rows.shape[0], mats.shape[1]))
+    for e in np.unique(experts):
+        sel = experts == e
+        out[sel] = rows[sel] @ mats[e].T
+    return out
+
+
+def _gate_up(xd: np.ndarray, w: OracleWeights, topk_ids: np.ndarray):
+    """GEMM1 of the served pairs in float64: g, u [P, I] (scale_2 applied) and the magnitude sums
+    sum_h |xd_h| |w13_nh| x scale_2 of each (what bounds fp32 rounding of the dots)."""
+    pairs, experts = _served_pairs(topk_ids, w.w13.shape[0])
+    I = w.w13.shape[1] // 2
+    k = topk_ids.shape[1]
+    xs = xd[pairs // k]
+    h = _per_expert(xs, experts, w.w13)
+    habs = _per_expert(np.abs(xs), experts, np.abs(w.w13))
+    s_g, s_u = w.s13[experts, :1], w.s13[experts, 1:]
+    return h[:, :I] * s_g, h[:, I:] * s_u, habs[:, :I] * np.abs(s_g), habs[:, I:] * np.abs(s_u)
 
 
 def quantize_intermediate(a: np.ndarray, mode: str, static_scale: float | None):
@@ -145,7 +168,7 @@ def gemm2(a_deq: np.ndarray, g1: Gemm1, w: OracleWeights, topk_weights: np.ndarr
           routed_scaling_factor: float | None = None) -> np.ndarray:
     """Dequantized intermediate float64 [P, I] (rows of g1.pairs) -> out float64 [M, H]."""
     k = topk_weights.shape[1]
-    y = np.einsum("pi,phi->ph", a_deq, w.w2[g1.experts]) * w.s2[g1.experts, None]
+    y = _per_expert(a_deq, g1.experts, w.w2) * w.s2[g1.experts, None]
     y = y * np.asarray(topk_weights, np.float64).reshape(-1)[g1.pairs, None]
     out = np.zeros((M, w.w2.shape[1]))
     np.add.at(out, g1.pairs // k, y)
