@@ -75,13 +75,13 @@ def test_triton_routine_bit_exact_against_ml_dtypes():
 
 def test_probe_gemm_multiplies_the_prepared_weights():
     """The sm90 probe GEMM of kernels/offline/compile_w4a8.py (nibble unpack, per-32 offsets
-    broadcast, expansion, E4M3 x E4M3 dot) run in the interpreter on weights kernels/w4a8_prep.py
+    broadcast, expansion, E4M3 x E4M3 dot) run in the interpreter on weights kernels/moe_w4a8_details/prep.py
     prepares: equal to the float64 oracle's E4M3 weights x activations within fp32 accumulation
     (|error| <= K x 2^-24 x sum |products|)."""
     import w4a8_oracle as orc
 
     from k3nvfp4.kernels.offline.compile_w4a8 import w4a8_probe_kernel
-    from k3nvfp4.kernels.w4a8_prep import prepare_w4a8_from_mxfp4
+    from k3nvfp4.kernels.moe_w4a8_details.prep import prepare_w4a8_from_mxfp4
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = np.random.default_rng(0)
