@@ -62,7 +62,8 @@ class W4A8Run:
     """One call's output and what it computed on the way (for tests and diagnostics):
     out [M, H]; the tokens' E4M3 [M, H] and fp32 scales [M, cdiv(H, 128)]; the intermediate's
     E4M3 [max_padded, I] and fp32 scales [max_padded, cdiv(I, 128)] in the routing's sorted order
-    (routing.sorted_pair_ids: row -> pair token x k + slot; rows of padding hold token 0's values)."""
+    (routing.sorted_pair_ids: row -> pair token x k + slot; rows of padding hold token 0's values;
+    row block b = rows b x config.block_m .. belongs to expert routing.block_expert_ids[b])."""
 
     out: torch.Tensor
     act_q: torch.Tensor
@@ -70,6 +71,7 @@ class W4A8Run:
     inter_q: torch.Tensor
     inter_scales: torch.Tensor
     routing: AlignedRouting | None  # None for M = 0
+    config: W4A8Config | None  # the launch config used (None for M = 0)
 
 
 def fused_moe_w4a8(
@@ -127,7 +129,7 @@ def run_w4a8(
         out = torch.empty(M, H, dtype=hidden_states.dtype, device=device)
     if M == 0:
         empty = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
-        return W4A8Run(out, empty, empty.float(), empty, empty.float(), None)
+        return W4A8Run(out, empty, empty.float(), empty, empty.float(), None, None)
     cfg = config or W4A8Config.heuristic(E, H, I, k, M, num_global_experts=num_global_experts)
     cfg.check(H, I)
     ng_h, ng_i = -(-H // ACT_GROUP), -(-I // ACT_GROUP)
@@ -175,4 +177,4 @@ def run_w4a8(
         WB=weights.block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         SPLIT_K=cfg.split_k2, ATOMIC=atomic, **launch,
     )
-    return W4A8Run(out, aq, asc, iq, isc, routing)
+    return W4A8Run(out, aq, asc, iq, isc, routing, cfg)
