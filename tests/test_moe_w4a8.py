@@ -227,10 +227,11 @@ def test_preparation_refuses_what_it_cannot_expand():
 def test_config_check_names_the_field():
     with pytest.raises(ValueError, match="config.block_n1 = 64 must be a power of two multiple of 128"):
         W4A8Config(block_n1=64).check(H, I)
-    with pytest.raises(ValueError, match="config.block_k1 = 128 must be 64 or 128 and divide 192"):
+    with pytest.raises(ValueError, match="config.block_k2 = 128 must be 64 or 128 and divide 192"):
         W4A8Config().check(H, I)
     cfg = W4A8Config.heuristic(E, H, I, K, M)
     cfg.check(H, I)
     assert cfg.block_k1 == 64 and cfg.block_k2 == 64
     big = W4A8Config.heuristic(384, 3584, 3072, 8, 4096)
-    assert big.block_m == 64 and big.block_k1 == 128 and big.split_k1 == 1
+    assert big.block_m == 64 and big.block_k1 == 64 and big.block_k2 == 128 and big.split_k1 == 1
+    assert big.num_warps == 8

@@ -29,7 +29,7 @@ class W4A8Config:
     block_m: int = 16
     block_n1: int = 128
     block_n2: int = 64
-    block_k1: int = 128
+    block_k1: int = 64
     block_k2: int = 128
     split_k1: int = 1
     split_k2: int = 1
@@ -46,9 +46,12 @@ class W4A8Config:
     def heuristic(cls, E: int, H: int, I: int, top_k: int, M: int, *,
                   num_global_experts: int | None = None, num_sms: int = 132) -> "W4A8Config":
         """A shape rule (no measured costs yet): block_m the power of two in [16, 64] nearest above
-        the mean rows per local expert (~M k E / E_global / E); K steps of 128 where H / I allow,
-        else 64; each GEMM split over K (at most 8 slices, each with >= 2 K steps) while its
-        programs fill fewer than ``num_sms`` (H100 / H200: 132). Cached per shape."""
+        the mean rows per local expert (~M k E / E_global / E); GEMM1's K step 64 (its operand is
+        2 x 128 weight rows: at 128 the integer expansion spills on sm90, Triton 3.8:
+        kernels/offline/compile_w4a8.py --mode), GEMM2's 128 where I allows, else 64; 8 warps at
+        block_m 64 (GEMM1's accumulators); each GEMM split over K (at most 8 slices, each with
+        >= 2 K steps) while its programs fill fewer than ``num_sms`` (H100 / H200: 132). Cached
+        per shape."""
         return _heuristic(E, H, I, top_k, M, num_global_experts, num_sms)
 
     def check(self, H: int, I: int) -> None:
@@ -82,10 +85,10 @@ def _heuristic(E: int, H: int, I: int, top_k: int, M: int, num_global_experts: i
     bm = 16
     while bm < 64 and bm < per_expert:
         bm *= 2
-    bk1 = 128 if H % 128 == 0 else 64
+    bk1 = 64
     bk2 = 128 if I % 128 == 0 else 64
     blocks = min(E, max(1, int(local_pairs))) + int(local_pairs) // bm  # used row blocks, roughly
     tiles1, tiles2 = -(-I // 128), -(-H // 64)
-    return W4A8Config(block_m=bm, block_k1=bk1, block_k2=bk2,
+    return W4A8Config(block_m=bm, block_k1=bk1, block_k2=bk2, num_warps=8 if bm >= 64 else 4,
                       split_k1=_split(blocks * tiles1, H // bk1, num_sms),
                       split_k2=_split(blocks * tiles2, I // bk2, num_sms))
