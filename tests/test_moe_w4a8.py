@@ -235,3 +235,28 @@ def test_config_check_names_the_field():
     big = W4A8Config.heuristic(384, 3584, 3072, 8, 4096)
     assert big.block_m == 64 and big.block_k1 == 64 and big.block_k2 == 128 and big.split_k1 == 1
     assert big.num_warps == 8
+
+
+def test_large_call_routing_path_silu_and_empty_batch(layer, monkeypatch):
+    """The path above the one-launch routing (align_routing_triton's kernels + quant_rows_kernel),
+    forced on a small call: the same bits as the one-launch path (the top-k sum is in slot order
+    whatever the sorted order), which the oracle checks. SiLU: the plain-torch reference (same
+    quantization) within 1e-3 (SiTU would be far off). M = 0: an empty output, no launch."""
+    from k3nvfp4.kernels import moe_w4a8
+    from k3nvfp4.kernels.activation import GatedActivation
+
+    mx, w, (w13o, w2o) = layer
+    x = _tokens(14)
+    tw, ids = _routing(14)
+    small = run_w4a8(x, w, tw, ids).out
+    monkeypatch.setattr(moe_w4a8, "small_routing_launch", lambda *a, **k: None)
+    run = run_w4a8(x, w, tw, ids)
+    assert torch.equal(run.out, small)
+    _check_against_oracle(run, x, tw.numpy(), ids.numpy(), w13o, w2o, 1.0, 0.0)
+    silu = GatedActivation.silu()
+    got = fused_moe_nvfp4(x[:3] * 0.01, w, tw[:3], ids[:3], activation=silu)
+    ref = fused_moe_w4a8_reference(x[:3] * 0.01, w, tw[:3], ids[:3], activation=silu)
+    # (1e-3, not fp32 noise: on a GPU another summation order may flip an intermediate element by one E4M3 step)
+    assert float((got - ref).abs().max()) <= 1e-3 * float(ref.abs().max()) and float(ref.abs().max()) > 0
+    empty = fused_moe_nvfp4(x[:0], w, tw[:0], ids[:0])
+    assert empty.shape == (0, H)
