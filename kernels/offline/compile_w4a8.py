@@ -125,11 +125,14 @@ def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int
 
 
 def mode_report(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16,
-                weight_blocks: tuple[int, ...] = (32, 16)) -> list[dict]:
+                weight_blocks: tuple[int, ...] = (32, 16), ptx_dir=None) -> list[dict]:
     """GEMM1 and GEMM2 of the e4m3 mode at W4A8_CONFIGS (weights from MXFP4 and from NVFP4): per
     kernel its FP8 wgmma forms and count in the PTX, any bf16 wgmma (a decomposition), registers,
     spill bytes, shared memory, and the hot loop's instructions per warp. A compile error is
-    reported in the record, not hidden."""
+    reported in the record, not hidden. ptx_dir (a pathlib.Path): each kernel that sums by last
+    arrival (GEMM2 always, GEMM1 when split over K) also writes its PTX there, and its record
+    names the file, the kernel's PTX parameters and the sum's buffer (the memory-ordering check of
+    tests/ptx_ordering.py reads them)."""
     from ..moe_w4a8_details.config import W4A8Config
     from . import sass
 
@@ -153,6 +156,10 @@ def mode_report(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16,
                                wgmma_bf16_in_ptx=len(re.findall(r"wgmma\.mma_async[^;]*\.bf16\.bf16", ptx)),
                                registers=ru.registers, local_bytes=ru.local_bytes, shared_bytes=c.metadata.shared,
                                loop_instructions_per_warp=st.instructions, loop_mma_per_warp=st.mma)
+                    if ptx_dir is not None and (kind == "gemm2" or cfg.split_k1 > 1):
+                        (ptx_dir / f"{rec['kernel']}.ptx").write_text(ptx)
+                        rec.update(ptx=f"{rec['kernel']}.ptx", buffer="part_ptr" if kind == "gemm1" else "buf_ptr",
+                                   params=[k for k, v in c.src.signature.items() if v != "constexpr"])
                 except Exception as exc:  # reported, not hidden: the caller / test decides
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
                 out.append(rec)
@@ -171,9 +178,16 @@ def main(argv=None) -> int:
                     help="compile the e4m3 mode's GEMM1 and GEMM2 (W4A8_CONFIGS) instead of the probe")
     ap.add_argument("--weight-block", type=int, choices=(16, 32), action="append",
                     help="with --mode: the weights' block (32 MXFP4, 16 NVFP4; default both)")
+    ap.add_argument("--ptx-dir", help="with --mode: write the PTX of each last-arrival kernel into this folder")
     a = ap.parse_args(argv)
     if a.mode:
-        json.dump(mode_report(weight_blocks=tuple(a.weight_block or (32, 16))), sys.stdout, indent=1)
+        import pathlib
+
+        ptx_dir = None
+        if a.ptx_dir:
+            ptx_dir = pathlib.Path(a.ptx_dir)
+            ptx_dir.mkdir(parents=True, exist_ok=True)
+        json.dump(mode_report(weight_blocks=tuple(a.weight_block or (32, 16)), ptx_dir=ptx_dir), sys.stdout, indent=1)
         print()
         return 0
     if a.block_k % 32:
