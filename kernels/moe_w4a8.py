@@ -16,9 +16,10 @@ by each token's last arrival). 3 launches; above 1024 pairs the routing takes 3 
 memset and the quantization one launch. No host synchronisation (CUDA-graph capturable).
 
 Where it runs: sm89 / sm90 and newer (FP8 ``tl.dot``; on sm90 ``wgmma ... e4m3.e4m3``,
-tests/test_w4a8_compile.py), or Triton's interpreter. The weight expansion is the exact integer
-form of moe_details/e4m3_expand.py (about 30 thread instructions per weight on sm90): correct,
-not yet the fast PRMT form docs/w4a8.md describes, so this mode is selectable, not the default.
+tests/test_w4a8_compile.py), or Triton's interpreter. The weight expansion is the exact float
+form of moe_details/e4m3_expand.py (about 9 thread instructions per weight in GEMM1's sm90 loop):
+correct, not yet the PRMT form docs/w4a8.md describes, and no GPU speed is measured, so this mode
+is selectable, not the default.
 """
 
 from __future__ import annotations

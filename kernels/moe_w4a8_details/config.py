@@ -47,8 +47,8 @@ class W4A8Config:
                   num_global_experts: int | None = None, num_sms: int = 132) -> "W4A8Config":
         """A shape rule (no measured costs yet): block_m the power of two in [16, 64] nearest above
         the mean rows per local expert (~M k E / E_global / E); GEMM1's K step 64 (its operand is
-        2 x 128 weight rows: at 128 the integer expansion spills on sm90, Triton 3.8:
-        kernels/offline/compile_w4a8.py --mode), GEMM2's 128 where I allows, else 64; 8 warps at
+        2 x 128 weight rows: at 128 it uses every register on sm90 and spills at block_m 64,
+        Triton 3.8: kernels/offline/compile_w4a8.py --mode), GEMM2's 128 where I allows, else 64; 8 warps at
         block_m 64 (GEMM1's accumulators); each GEMM split over K (at most 8 slices, each with
         >= 2 K steps) while its programs fill fewer than ``num_sms`` (H100 / H200: 132). Cached
         per shape."""
