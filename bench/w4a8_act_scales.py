@@ -15,7 +15,7 @@ with power-of-two scales (smallest 2^k with 448 x 2^k >= amax):
   (c) per_token_32    one per row per 32 columns (MXFP8-like, for reference);
   (a') per_token + static intermediate: tokens per row, the intermediate with the one scale
        SiTU's bound gives, beta x linear_beta / 448 (what (a) needs to avoid a row-wide amax).
-The W4A8 arms multiply the weights kernels/w4a8_prep.py prepares (E4M3 expansion, per-row 2^r;
+The W4A8 arms multiply the weights kernels/moe_w4a8_details/prep.py prepares (E4M3 expansion, per-row 2^r;
 blocks below the 14-binade window re-encoded), the references the MXFP4 values exactly.
 
 Data: weights "synthetic" = uniformly random E2M1 codes with E8M0 exponents spread as
@@ -46,7 +46,7 @@ import torch
 from k3nvfp4.common.files import write_json_atomic
 from k3nvfp4.kernels import formats
 from k3nvfp4.kernels.testing import k3_like_nvfp4_moe_weights, realistic_hidden_states
-from k3nvfp4.kernels.w4a8_prep import prepare_w4a8_from_mxfp4, prepare_w4a8_from_nvfp4
+from k3nvfp4.kernels.moe_w4a8_details.prep import prepare_w4a8_from_mxfp4, prepare_w4a8_from_nvfp4
 
 BETA, LINEAR_BETA = 4.0, 25.0
 E4M3_MAX = 448.0

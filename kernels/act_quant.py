@@ -109,3 +109,29 @@ def dequantize_mxfp8_rows(values: torch.Tensor, e8m0: torch.Tensor) -> torch.Ten
     R, K = values.shape
     v = values.float().reshape(R, K // 32, 32) * formats.e8m0_to_float(e8m0)[:, :, None]
     return v.reshape(R, K)
+
+
+E4M3_GROUP = 128  # the Hopper W4A8 mode's activation scale group (columns)
+
+
+def quantize_e4m3_groups(x: torch.Tensor, group: int = E4M3_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W4A8 ("e4m3") mode's activation rule: x float [R, K] -> (float8_e4m3fn [R, K], float32
+    scales [R, cdiv(K, group)]). Per row per ``group`` columns (a row's last group may be shorter):
+    s = fp32(amax / 448), 1 where that is 0; values e4m3_rne(clamp(fp32(x / s), -448, 448)) (the
+    clamp: an fp32 division can land one ulp above 448). IEEE fp32 divisions, as the kernels."""
+    xf = x.float()
+    R, K = xf.shape
+    n = -(-K // group)
+    pad = torch.zeros(R, n * group, dtype=torch.float32, device=x.device)
+    pad[:, :K] = xf
+    xb = pad.reshape(R, n, group)
+    s = xb.abs().amax(dim=2) / torch.tensor(formats.E4M3_MAX, dtype=torch.float32)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    y = (xb / s[:, :, None]).clamp(-formats.E4M3_MAX, formats.E4M3_MAX)
+    return y.to(torch.float8_e4m3fn).reshape(R, n * group)[:, :K].contiguous(), s
+
+
+def dequantize_e4m3_groups(values: torch.Tensor, scales: torch.Tensor, group: int = E4M3_GROUP) -> torch.Tensor:
+    """float8_e4m3fn [R, K], float32 [R, cdiv(K, group)] -> float32 [R, K] = value x its group's scale."""
+    K = values.shape[1]
+    return values.float() * scales.repeat_interleave(group, dim=1)[:, :K]

@@ -9,12 +9,15 @@ checkpoint's tensors), its launch-config class and its cost table.
                                                 token, e2m1 x e2m1 block-scaled MMA (E4M3 per 16)
   mxfp8   FP4MMAWeights(act_quant="mxfp8")     W4A8: activations MXFP8, e4m3 x e2m1 block-scaled
                                                 MMA (E8M0 per 32)
+  e4m3    W4A8MoEWeights (moe_w4a8_details/)   W4A8 on Hopper: weights expanded exactly to E4M3 in
+                                                registers, activations E4M3 (fp32 scale per 128),
+                                                e4m3 x e4m3 MMA (FP8 wgmma), fp32 promotion per 128 K
 
 The prepared weights choose the kernels: ``k3nvfp4.kernels.fused_moe_nvfp4`` runs the mode its
 weights were prepared for (:func:`mode_of`), and no call converts one mode's prepared layout
-into another's. A new mode (e.g. FP8 activations on Hopper) is one more entry here, its weights
-class with ``from_modelopt`` / ``from_mxfp4``, its kernels on the shared skeleton
-(moe_details/skeleton.py) and one dispatch branch in kernels/moe.py.
+into another's. A new mode is one more entry here, its weights class with ``from_modelopt`` /
+``from_mxfp4``, its kernels on the shared skeleton (moe_details/skeleton.py) and one dispatch
+branch in kernels/moe.py; "e4m3" (FP8 activations on Hopper) was added that way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from .moe_details.config import MoEConfig
 from .moe_details.weights import ModelOptMoETensors, MXFP4MoETensors, NVFP4MoEWeights
 from .moe_fp4_details.config import FP4MoEConfig
 from .moe_fp4_details.weights import FP4MMAWeights
+from .moe_w4a8_details.config import W4A8Config
+from .moe_w4a8_details.weights import W4A8MoEWeights
 
 CheckpointTensors = ModelOptMoETensors | MXFP4MoETensors
 
@@ -34,11 +39,12 @@ CheckpointTensors = ModelOptMoETensors | MXFP4MoETensors
 class KernelMode:
     """One mode of the fused MoE (module docstring).
 
-    name: the K3NVFP4_ACT_QUANT value ("none", "nvfp4", "mxfp8"); label: "W4A16" / "W4A4" / "W4A8";
+    name: the K3NVFP4_ACT_QUANT value ("none", "nvfp4", "mxfp8", "e4m3"); label: "W4A16" / "W4A4" /
+    "W4A8" (mxfp8 and e4m3 are both W4A8: MXFP8 on Blackwell's block-scaled MMA, E4M3 on Hopper);
     operands: how one K step's operands are prepared (for docs, logs and reports);
     weights_type: the prepared weights this mode takes; config_type: its launch config;
     cost_modes: its sections of the measured tile-cost table (kernels/cost_table.py, read by
-    the config class's heuristic through kernels/costs.py);
+    the config class's heuristic through kernels/costs.py); () for a mode not measured yet;
     from_modelopt / from_mxfp4: prepare the weights from the ModelOpt NVFP4 / MXFP4 tensors.
     """
 
@@ -84,7 +90,15 @@ W4A8_MXFP8 = KernelMode(
     FP4MMAWeights, FP4MoEConfig, ("w4a8 mxfp8",), *_fp4("mxfp8"),
 )
 
-MODES: dict[str, KernelMode] = {m.name: m for m in (W4A16, W4A4_NVFP4, W4A8_MXFP8)}
+W4A8_E4M3 = KernelMode(
+    "e4m3", "W4A8",
+    "E2M1 weights expanded exactly to E4M3 in registers (x 2^r x scale_2 per row), activations E4M3 "
+    "(fp32 scale per token per 128), tl.dot e4m3 x e4m3 (FP8 wgmma on sm90), fp32 promotion per 128 K",
+    W4A8MoEWeights, W4A8Config, (),  # no cost table measured yet: W4A8Config.heuristic is a shape rule
+    lambda *t: W4A8MoEWeights.from_modelopt(*t), lambda *t: W4A8MoEWeights.from_mxfp4(*t),
+)
+
+MODES: dict[str, KernelMode] = {m.name: m for m in (W4A16, W4A4_NVFP4, W4A8_MXFP8, W4A8_E4M3)}
 MODE_NAMES = tuple(MODES)
 
 
@@ -102,4 +116,4 @@ def mode_of(weights: Any) -> KernelMode:
         if mode.takes(weights):
             return mode
     raise TypeError(f"weights: expected prepared MoE weights (NVFP4MoEWeights for W4A16, FP4MMAWeights for the FP4 "
-                    f"modes: k3nvfp4.kernels.modes.MODES[mode].prepare(checkpoint tensors)), got {type(weights).__name__}")
+                    f"modes, W4A8MoEWeights for e4m3: k3nvfp4.kernels.modes.MODES[mode].prepare(checkpoint tensors)), got {type(weights).__name__}")

@@ -10,7 +10,8 @@ values on the host, so the whole call can be captured in a CUDA graph.
 fused_moe_nvfp4 is the one public entry point of every mode (kernels/modes.py): the prepared
 weights choose the kernels. NVFP4MoEWeights run the W4A16 kernels of this module;
 FP4MMAWeights prepared for act_quant="nvfp4" / "mxfp8" run the FP4 tensor-core kernels of
-moe_fp4.py (Blackwell's block-scaled MMA). No call converts one mode's weights into another's.
+moe_fp4.py (Blackwell's block-scaled MMA); W4A8MoEWeights (act_quant="e4m3") run the Hopper W4A8
+kernels of moe_w4a8.py (FP8 wgmma). No call converts one mode's weights into another's.
 
 Kernel design (moe_details/kernels.py):
 - tokens of one expert are grouped into block_m-row blocks (routing.py); program (b, n, s)
@@ -50,16 +51,18 @@ from .moe_details.validate import validate_moe_inputs
 from .moe_details.weights import NVFP4MoEWeights
 from .moe_fp4 import FP4MMAWeights, fused_moe_fp4
 from .moe_reference import fused_moe_nvfp4_reference
-from .modes import W4A16, mode_of
+from .moe_w4a8 import W4A8MoEWeights, fused_moe_w4a8
+from .modes import W4A8_E4M3, W4A16, mode_of
 
-__all__ = ["FP4MMAWeights", "MoEConfig", "NVFP4MoEWeights", "fused_moe_nvfp4", "fused_moe_nvfp4_reference"]
+__all__ = ["FP4MMAWeights", "MoEConfig", "NVFP4MoEWeights", "W4A8MoEWeights", "fused_moe_nvfp4",
+           "fused_moe_nvfp4_reference"]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def fused_moe_nvfp4(
     hidden_states: torch.Tensor,
-    weights: NVFP4MoEWeights | FP4MMAWeights,
+    weights: NVFP4MoEWeights | FP4MMAWeights | W4A8MoEWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -77,13 +80,14 @@ def fused_moe_nvfp4(
     weights: the prepared weights of one mode (E experts, H, I; kernels/modes.py):
     NVFP4MoEWeights (W4A16, this module's kernels) or FP4MMAWeights with act_quant "nvfp4"
     (W4A4: NVFP4 activations and intermediate) or "mxfp8" (W4A8: MXFP8 activations against
-    MXFP4 weights), which :func:`k3nvfp4.kernels.moe_fp4.fused_moe_fp4` runs; topk_weights: float32 [M, k];
+    MXFP4 weights), which :func:`k3nvfp4.kernels.moe_fp4.fused_moe_fp4` runs, or W4A8MoEWeights
+    (act_quant "e4m3": Hopper W4A8, :func:`k3nvfp4.kernels.moe_w4a8.fused_moe_w4a8`); topk_weights: float32 [M, k];
     topk_ids: int32/int64 [M, k], ids outside [0, E) (-1: expert on another rank) contribute
     nothing. activation: a GatedActivation (SiTU with its beta and linear cap, or SiLU; default
     Kimi-K3's situ(4, 25)). The weighted sum over k is multiplied by routed_scaling_factor (None = 1), as SGLang
     does after its moe_sum. out: optional [M, H] destination in hidden_states' dtype.
     config: launch config overriding the tuned/heuristic lookup (the tuner passes it): the
-    mode's config class (MoEConfig for W4A16, FP4MoEConfig for the FP4 modes).
+    mode's config class (MoEConfig for W4A16, FP4MoEConfig for the FP4 modes, W4A8Config for e4m3).
     input_scale: the static NVFP4 activation scale (W4A4 only; None = dynamic per token).
     deterministic: the top-k sum in a fixed order whatever the config.
     num_global_experts: the experts topk_ids range over, when this rank holds E of them (expert
@@ -95,6 +99,13 @@ def fused_moe_nvfp4(
     if config is not None and not isinstance(config, mode.config_type):
         raise TypeError(f"config: the {mode.label} weights (act_quant={mode.name!r}) take a {mode.config_type.__name__}, "
                         f"got {type(config).__name__}")
+    if mode is W4A8_E4M3:
+        if input_scale is not None:
+            raise ValueError("fused_moe_nvfp4: input_scale is the NVFP4 activation scale of the W4A4 weights; the "
+                             "e4m3 (W4A8) weights quantize activations per token per 128 columns")
+        return fused_moe_w4a8(hidden_states, weights, topk_weights, topk_ids, activation=activation,
+                              routed_scaling_factor=routed_scaling_factor, out=out, config=config,
+                              num_global_experts=num_global_experts, deterministic=deterministic)
     if mode is not W4A16:
         return fused_moe_fp4(hidden_states, weights, topk_weights, topk_ids, activation=activation,
                              routed_scaling_factor=routed_scaling_factor, input_scale=input_scale, out=out,

@@ -7,11 +7,17 @@
 - ``mxfp8``: W4A8, MXFP8 activations against MXFP4 weights (Kimi-K3's native numerics; the
   E8M0 weight scales are recovered exactly from the NVFP4 tensors, or the load stops naming the
   matrix that has none); Blackwell's ``kind::mxf8f6f4`` MMA.
+- ``e4m3``: W4A8 on Hopper: the 4-bit weights expanded exactly to E4M3 in registers (prepared at
+  load: one exponent offset per block, one fp32 factor per row; the NVFP4 block scales must be
+  powers of two, as k3nvfp4-cast writes them, else the load stops naming the layer and matrix),
+  E4M3 activations with one fp32 scale per token per 128 columns, FP8 wgmma (docs/w4a8.md).
+  Selectable, not the default: no GPU speed is measured, and its expansion is not yet the PRMT form.
 - ``nvfp4``: W4A4, NVFP4 activations (dynamic per-token scale); Blackwell's ``kind::mxf4nvf4``.
   ``K3NVFP4_NVFP4_INPUT_SCALE=checkpoint`` uses a W4A4 checkpoint's ``input_scale`` instead
   (the max over the layer's experts of w1/w3's, one static scale; default ``dynamic``).
 
-Off Blackwell the FP4 modes run decomposed (correct, not fast; the load log says so).
+Off Blackwell the FP4 modes run decomposed (correct, not fast; the load log says so). The modes
+are kernels/modes.py's MODES: a mode added there is selectable here.
 """
 
 from __future__ import annotations
@@ -28,18 +34,25 @@ logger = logging.getLogger(__name__)
 
 ENV_ACT_QUANT = "K3NVFP4_ACT_QUANT"
 ENV_INPUT_SCALE = "K3NVFP4_NVFP4_INPUT_SCALE"
-ACT_QUANT_MODES = ("none", "nvfp4", "mxfp8")
 DEFAULT_ACT_QUANT = "none"
 INPUT_SCALE_MODES = ("dynamic", "checkpoint")
 # Layer attribute: the static NVFP4 input scale (a float) when the checkpoint's is used.
 INPUT_SCALE_ATTR = "k3nvfp4_input_scale"
 
 
+def act_quant_modes() -> tuple[str, ...]:
+    """The selectable modes: kernels/modes.py's MODE_NAMES (imported here, not at module import)."""
+    from k3nvfp4.kernels.modes import MODE_NAMES
+
+    return MODE_NAMES
+
+
 def selected_act_quant() -> str:
     """The mode K3NVFP4_ACT_QUANT asks for (default none); a bad value names the variable."""
     raw = os.environ.get(ENV_ACT_QUANT, DEFAULT_ACT_QUANT).strip().lower() or DEFAULT_ACT_QUANT
-    if raw not in ACT_QUANT_MODES:
-        raise ValueError(f"{ENV_ACT_QUANT}={os.environ[ENV_ACT_QUANT]!r}: expected one of {', '.join(ACT_QUANT_MODES)}")
+    modes = act_quant_modes()
+    if raw not in modes:
+        raise ValueError(f"{ENV_ACT_QUANT}={os.environ[ENV_ACT_QUANT]!r}: expected one of {', '.join(modes)}")
     return raw
 
 
@@ -54,6 +67,14 @@ def where_it_runs(act_quant: str) -> str:
     """For the load log: native block-scaled MMA, decomposed, or the interpreter."""
     if act_quant == "none":
         return "bf16 MMA (W4A16)"
+    if act_quant == "e4m3":
+        if not torch.cuda.is_available():
+            return "Triton interpreter (E4M3 x E4M3 tl.dot)"
+        from k3nvfp4.kernels import target
+
+        major, minor = target.capability()
+        return (f"sm{major}{minor}: FP8 tl.dot e4m3 x e4m3 (wgmma on sm90), weights expanded to E4M3 in registers "
+                "(exact float form, not yet the PRMT form)")
     if not torch.cuda.is_available():
         return "Triton interpreter (tl.dot_scaled decomposed)"
     from k3nvfp4.kernels import target
@@ -67,13 +88,15 @@ def where_it_runs(act_quant: str) -> str:
 def kernel_weights_for_mode(tensors: Any, act_quant: str, layer_name: str) -> Any:
     """The weights the kernels take in this mode, prepared once, at load, from the layer's
     checkpoint tensors (``tensors``: ModelOptMoETensors or MXFP4MoETensors) by the mode itself
-    (kernels/modes.py): NVFP4MoEWeights for none, FP4MMAWeights for nvfp4 / mxfp8. No mode's
-    layout is built on the way to another's."""
+    (kernels/modes.py): NVFP4MoEWeights for none, FP4MMAWeights for nvfp4 / mxfp8,
+    W4A8MoEWeights for e4m3. No mode's layout is built on the way to another's."""
     from k3nvfp4.kernels.modes import kernel_mode
 
     mode = kernel_mode(act_quant, ENV_ACT_QUANT)
     if mode.name == "none":
         return mode.prepare(tensors)
+    if mode.name == "e4m3":
+        return _prepare_e4m3(mode, tensors, layer_name)
     from k3nvfp4.kernels.moe_fp4 import E8M0RecoveryError, check_fp4_mode_supported
 
     check_fp4_mode_supported(act_quant, tensors[0].device)  # a clear error at load, not at the first forward
@@ -84,6 +107,26 @@ def kernel_weights_for_mode(tensors: Any, act_quant: str, layer_name: str) -> An
             f"{BACKEND_NAME} with {ENV_ACT_QUANT}=mxfp8: layer {layer_name!r}: {err}. Use "
             f"{ENV_ACT_QUANT}=nvfp4 or none for this checkpoint."
         ) from None
+
+
+def _prepare_e4m3(mode: Any, tensors: Any, layer_name: str) -> Any:
+    """The e4m3 (W4A8) weights: the device checked at load; a refused matrix (a non-power-of-two
+    NVFP4 block scale, an E8M0 NaN) stops the load naming the layer; re-encoded out-of-window
+    blocks are logged with the layer's name."""
+    import warnings
+
+    from k3nvfp4.kernels.moe_w4a8 import check_w4a8_supported
+
+    check_w4a8_supported(tensors[0].device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            weights = mode.prepare(tensors)
+        except ValueError as err:
+            raise ValueError(f"{BACKEND_NAME} with {ENV_ACT_QUANT}=e4m3: layer {layer_name!r}: {err}") from None
+    for w in caught:
+        logger.warning("%s with %s=e4m3: layer %r: %s", BACKEND_NAME, ENV_ACT_QUANT, layer_name, w.message)
+    return weights
 
 
 def static_input_scale(layer: Any, act_quant: str) -> float | None:

@@ -191,8 +191,9 @@ def log_active_once(layer: Any, weights: Any, source: str) -> None:
         type(weights).__name__,
         list(weights.w13.shape),
         list(weights.w2.shape),
-        "kernel-native FP4 tiles (bit-placed e2m1, bf16 block-16 scales)" if act_quant == "none"
-        else "e2m1 + block scales for tl.dot_scaled",
+        {"none": "kernel-native FP4 tiles (bit-placed e2m1, bf16 block-16 scales)",
+         "e4m3": "e2m1 + int8 exponent offsets per block (exact E4M3 expansion) + fp32 row factors"}.get(
+            act_quant, "e2m1 + block scales for tl.dot_scaled"),
         weights.w13.device,
         act_quant,
         "dynamic" if input_scale is None else f"static {input_scale:g} from the checkpoint",

@@ -74,13 +74,14 @@ def mutated_source(name: str, source: str | None = None) -> str:
 def _kernel_modules():
     from k3nvfp4.kernels.moe_details import kernels as w4a16
     from k3nvfp4.kernels.moe_fp4_details import kernels as fp4
+    from k3nvfp4.kernels.moe_w4a8_details import kernels as w4a8
 
-    return (w4a16, fp4)
+    return (w4a16, fp4, w4a8)
 
 
 @contextlib.contextmanager
 def installed(name: str, folder: pathlib.Path | None = None) -> Iterator[object]:
-    """Within the block, both kernel families call mutant ``name``'s skeleton functions (the
+    """Within the block, every kernel family (W4A16, FP4, the Hopper W4A8 mode) calls mutant ``name``'s skeleton functions (the
     mutated copy is a real file: Triton reads a jit function's source from it). Must be entered
     before the kernels are first compiled in this process (Triton keys its cache on the source of
     every function a kernel calls, read when the kernel is first compiled)."""

@@ -75,13 +75,13 @@ def test_triton_routine_bit_exact_against_ml_dtypes():
 
 def test_probe_gemm_multiplies_the_prepared_weights():
     """The sm90 probe GEMM of kernels/offline/compile_w4a8.py (nibble unpack, per-32 offsets
-    broadcast, expansion, E4M3 x E4M3 dot) run in the interpreter on weights kernels/w4a8_prep.py
+    broadcast, expansion, E4M3 x E4M3 dot) run in the interpreter on weights kernels/moe_w4a8_details/prep.py
     prepares: equal to the float64 oracle's E4M3 weights x activations within fp32 accumulation
     (|error| <= K x 2^-24 x sum |products|)."""
     import w4a8_oracle as orc
 
     from k3nvfp4.kernels.offline.compile_w4a8 import w4a8_probe_kernel
-    from k3nvfp4.kernels.w4a8_prep import prepare_w4a8_from_mxfp4
+    from k3nvfp4.kernels.moe_w4a8_details.prep import prepare_w4a8_from_mxfp4
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = np.random.default_rng(0)
@@ -101,3 +101,29 @@ def test_probe_gemm_multiplies_the_prepared_weights():
     bound = K * 2.0**-24 * (np.abs(wv) @ np.abs(xv))
     assert (np.abs(out.cpu().numpy() - ref) <= bound).all()
     assert np.abs(ref).max() > 1e3  # a real product, not zeros
+
+
+@triton.jit
+def _float_form_kernel(codes_ptr, offset_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    from k3nvfp4.kernels.moe_details.e4m3_expand import e2m1_pow2_scale, e2m1_times_pow2
+
+    i = tl.arange(0, BLOCK)
+    keep = i < n
+    c = tl.load(codes_ptr + i, mask=keep, other=0)
+    j = tl.load(offset_ptr + i, mask=keep, other=0)
+    tl.store(out_ptr + i, e2m1_times_pow2(c, e2m1_pow2_scale(j)), mask=keep)
+
+
+def test_float_form_is_the_exact_product():
+    """The float form (what the W4A8 kernels use): fp32 E2M1(code) x 2^j exactly, signed zeros
+    included, over all 16 codes x the window; so its E4M3 cast is the integer form's byte."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    codes, offs, want = _all_cases()
+    out = torch.empty(codes.size, dtype=torch.float32, device=dev)
+    _float_form_kernel[(1,)](torch.from_numpy(codes).to(dev), torch.from_numpy(offs).to(dev), out, codes.size,
+                             BLOCK=256)
+    got = out.cpu().numpy()
+    v = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.ldexp(1.0, offs)
+    assert np.array_equal(got.astype(np.float64), v)
+    assert np.array_equal(np.signbit(got), codes >= 8)  # -0 for code 8
+    assert np.array_equal(got.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), want)

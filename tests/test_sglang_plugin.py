@@ -852,6 +852,32 @@ if __name__ == "__main__":
         raise SystemExit(f"usage: {sys.argv[0]} ranks CKPT OUT_DIR")
 
 
+def test_e4m3_load_names_the_layer(monkeypatch, caplog):
+    """The plugin's load step in the e4m3 mode: a non-power-of-two NVFP4 block scale stops the load
+    naming the layer and the matrix; blocks re-encoded below their row's window are logged with
+    the layer's name."""
+    import logging
+
+    from k3nvfp4.kernels.moe_details.weights import MXFP4MoETensors
+    from k3nvfp4.kernels.moe_fp4_details.weights import cast_mxfp4_moe
+    from k3nvfp4.kernels.testing import random_mxfp4_tensors
+    from k3nvfp4.sglang_ext.act_quant import kernel_weights_for_mode
+
+    mx = MXFP4MoETensors(*random_mxfp4_tensors(2, 64, 64, seed=3))
+    mo = cast_mxfp4_moe(*mx)
+    bad = mo.w13_scale.clone()
+    bad[0, 0, 0] = torch.tensor(0.375).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"K3NVFP4_ACT_QUANT=e4m3: layer 'model.layers.3.mlp.experts': w13 \(E4M3 "
+                                         r"block scales\): 1 E4M3 block scales are not powers of two"):
+        kernel_weights_for_mode(mo._replace(w13_scale=bad), "e4m3", "model.layers.3.mlp.experts")
+    deep = mx.w2_e8m0.clone()
+    deep[1, 5, 0] = 90  # 30 binades below its row
+    with caplog.at_level(logging.WARNING, logger="k3nvfp4.sglang_ext.act_quant"):
+        w = kernel_weights_for_mode(mx._replace(w2_e8m0=deep), "e4m3", "model.layers.4.mlp.experts")
+    assert w.out_of_window == 1
+    assert "layer 'model.layers.4.mlp.experts': w2: 1 of" in caplog.text
+
+
 def test_act_quant_environment(monkeypatch):
     """K3NVFP4_ACT_QUANT / K3NVFP4_NVFP4_INPUT_SCALE: defaults, bad values named, the W4A4
     checkpoint's input_scale as the static NVFP4 activation scale only when asked for."""
@@ -863,8 +889,12 @@ def test_act_quant_environment(monkeypatch):
     monkeypatch.setenv(aq.ENV_ACT_QUANT, " MXFP8 ")
     assert aq.selected_act_quant() == "mxfp8"
     monkeypatch.setenv(aq.ENV_ACT_QUANT, "fp4")
-    with pytest.raises(ValueError, match=r"K3NVFP4_ACT_QUANT='fp4': expected one of none, nvfp4, mxfp8"):
+    with pytest.raises(ValueError, match=r"K3NVFP4_ACT_QUANT='fp4': expected one of none, nvfp4, mxfp8, e4m3"):
         aq.selected_act_quant()
+    monkeypatch.setenv(aq.ENV_ACT_QUANT, "e4m3")  # every mode of kernels/modes.py is selectable
+    assert aq.selected_act_quant() == "e4m3"
+    if not torch.cuda.is_available():
+        assert aq.where_it_runs("e4m3") == "Triton interpreter (E4M3 x E4M3 tl.dot)"
     layer = types.SimpleNamespace(layer_name="m.experts", w13_input_scale=torch.tensor([[0.5, 0.25], [2.0, 1.0]]))
     assert aq.static_input_scale(layer, "nvfp4") is None  # dynamic by default
     monkeypatch.setenv(aq.ENV_INPUT_SCALE, "checkpoint")

@@ -1,4 +1,4 @@
-"""W4A8 weight preparation (kernels/w4a8_prep.py) against the independent float64 oracle
+"""W4A8 weight preparation (kernels/moe_w4a8_details/prep.py) against the independent float64 oracle
 (tests/w4a8_oracle.py): row exponents, block offsets, out-of-window counts and the E4M3 bytes of
 every block bit for bit, from MXFP4 and from power-of-two NVFP4; the refusals."""
 
@@ -11,7 +11,7 @@ import torch
 
 import w4a8_oracle as orc
 from k3nvfp4.kernels import formats
-from k3nvfp4.kernels.w4a8_prep import (e4m3_pow2_exponents, prepare_w4a8_from_mxfp4,
+from k3nvfp4.kernels.moe_w4a8_details.prep import (e4m3_pow2_exponents, prepare_w4a8_from_mxfp4,
                                        prepare_w4a8_from_nvfp4)
 
 

@@ -7,7 +7,8 @@ interpreter run, and wrong outputs under the adversary, and the test names the s
 
 The calls: W4A16 (fused_moe_nvfp4) and the FP4 nvfp4 mode (fused_moe_fp4), each with GEMM1
 split over K (2 slices) and GEMM2's top-k sum (2 K slices x top-k 2 rows), W4A16's atomic
-top-k sum, and W4A16 without split-K in GEMM1 (the top-k sum alone); small shapes (the interpreter runs one program after another).
+top-k sum, and W4A16 without split-K in GEMM1 (the top-k sum alone), and the Hopper W4A8 mode
+(e4m3, fused_moe_w4a8) with both GEMMs split over K; small shapes (the interpreter runs one program after another).
 """
 
 from __future__ import annotations
@@ -51,7 +52,20 @@ def _fp4_call():
     return lambda: fused_moe_fp4(x, w, tw, ids, config=cfg)
 
 
+def _e4m3_call():
+    from k3nvfp4.kernels.moe_w4a8 import W4A8Config, W4A8MoEWeights, fused_moe_w4a8
+    from k3nvfp4.kernels.testing import random_mxfp4_tensors, random_routing
+
+    H8 = I8 = 128  # K steps of 64: two per GEMM, one per slice
+    w = W4A8MoEWeights.from_mxfp4(*random_mxfp4_tensors(E, H8, I8, seed=5))
+    tw, ids = random_routing(M, K, E, seed=5)
+    x = torch.randn(M, H8, generator=torch.Generator().manual_seed(5))
+    cfg = W4A8Config(block_m=16, block_n1=128, block_n2=64, block_k1=64, block_k2=64, split_k1=2, split_k2=2)
+    return lambda: fused_moe_w4a8(x, w, tw, ids, config=cfg)
+
+
 CALLS = {"w4a16": lambda: _w4a16_call(False), "w4a16 atomic": lambda: _w4a16_call(True), "nvfp4": _fp4_call,
+         "e4m3": _e4m3_call,
          # GEMM1 not split: the top-k sum is the first (and only) last-arrival sum of the call
          "w4a16 top-k only": lambda: _w4a16_call(False, split_k1=1)}
 
@@ -92,6 +106,9 @@ CASES = [
     ("topk_after_arrive", "w4a16", MODES, "GEMM2's top-k sum"),
     ("topk_after_arrive", "w4a16 atomic", MODES, "GEMM2's top-k sum"),
     ("topk_after_arrive", "nvfp4", MODES, "GEMM2's top-k sum"),
+    ("up_after_arrive", "e4m3", MODES, "GEMM1's split-K sum"),
+    ("topk_after_arrive", "e4m3", MODES, "GEMM2's top-k sum"),
+    ("no_barrier", "e4m3", ("unreleased",), "GEMM1's split-K sum"),
     ("no_barrier", "w4a16", ("unreleased",), "GEMM1's split-K sum"),
     ("no_barrier", "nvfp4", ("unreleased",), "GEMM1's split-K sum"),
     ("relaxed", "w4a16", ("unreleased",), "GEMM1's split-K sum"),

@@ -16,7 +16,15 @@ Why integers only: with Triton 3.8, booleans (tl.where masks, comparisons) kept 
 expansion that feeds tl.dot failed to compile for sm90 ("local_alloc element type bit width must be
 a multiple of 8"); the masks here are integers (arithmetic shifts of int32 give 0 / -1).
 
-Cost (not yet tuned): the probe GEMM of kernels/offline/compile_w4a8.py spends about 30 thread
+The float form (the W4A8 mode's kernels use it): place the code's 3 magnitude bits at fp16
+mantissa/exponent bits 9..11 and its sign at bit 15. That fp16 is E2M1(code) x 2^-14 exactly:
+codes 0 and 1 land on fp16 subnormals (1 << 9 is 2^-15), codes 2..7 on normals with exponent
+field p. Times the per-block fp32 2^(14 + j) (e2m1_pow2_scale) it is E2M1(code) x 2^j, exact
+(a power-of-two product in fp32's normal range). Its cast to E4M3 is then exact too, so any
+correct cast works: the GPU's cvt, or the interpreter's integer one. On sm90 this takes about a
+third of the integer form's instructions per weight (docs/w4a8.md).
+
+Cost of the integer form: the probe GEMM of kernels/offline/compile_w4a8.py spends about 30 thread
 instructions per weight in its hot loop (sm90, Triton 3.8). The FP8 tensor cores do about 4000 MACs
 per SM per clock, so with N tokens per MMA the issue budget is about N / 32 instructions per weight
 (8 at N = 256). docs/w4a8.md lists the cheaper formulation (a per-block 8-byte table and PRMT, 4
@@ -77,3 +85,21 @@ def expand_e2m1_to_e4m3(codes, offset):
     sub_mask = (t - 1) >> 31
     mag_byte = (normal & ~sub_mask) | (sub & sub_mask)
     return ((c & 8) << 4) | (mag_byte & (0 - nonzero))
+
+
+@triton.jit
+def e2m1_pow2_scale(offset):
+    """int32 offsets j in [-8, 6] -> fp32 2^(14 + j), the factor of e2m1_times_pow2 (exact: normal
+    fp32 bits built from the exponent)."""
+    return ((offset + (14 + 127)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_times_pow2(codes, scale):
+    """codes: integer tensor of E2M1 codes (0..15); scale: fp32 2^(14 + j) from e2m1_pow2_scale,
+    broadcastable to codes. Returns fp32 E2M1(code) x 2^j exactly (module docstring: the float
+    form); -0 for code 8. Cast it to E4M3 with any correct cast (exact: no rounding happens)."""
+    c = codes.to(tl.int16)
+    h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+    return h.to(tl.float32) * scale
+

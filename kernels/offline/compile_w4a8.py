@@ -6,6 +6,12 @@ the GEMM gets FP8 wgmma (`.e4m3.e4m3`), and measures what the expansion costs pe
 tests/test_w4a8_compile.py; run it with TRITON_INTERPRET unset:
 
     python -P -m k3nvfp4.kernels.offline.compile_w4a8 [--block-n 64 --block-m 64 --block-k 128]
+
+``--mode`` compiles the mode's own GEMMs instead (moe_w4a8_details/kernels.py: GEMM1 with SiTU and
+the intermediate's quantization, GEMM2 with the skeleton's top-k combine, at the W4A8Config tiles
+of W4A8_CONFIGS, K3 TP16 shapes) and reports each one's wgmma forms, registers and spills:
+
+    python -P -m k3nvfp4.kernels.offline.compile_w4a8 --mode
 """
 
 from __future__ import annotations
@@ -83,6 +89,83 @@ def probe_report(block_n: int = 64, block_m: int = 64, block_k: int = 128, num_w
     }
 
 
+# (name, W4A8Config kwargs): decode (16-token blocks, GEMM1 split over K as the heuristic does for
+# few blocks) and prefill (64-token blocks, the atomic top-k sum); K3 TP16 (H 3584, I 192) shapes.
+W4A8_CONFIGS = (
+    ("bm16_decode", dict(block_m=16, block_k1=64, block_k2=64, split_k1=4, split_k2=1)),
+    ("bm64_prefill", dict(block_m=64, block_k1=64, block_k2=64, num_warps=8, atomic_reduce=True)),
+)
+
+
+def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int = 16, arch: int = 90,
+                      weight_block: int = 32):
+    """Compile the e4m3 mode's GEMM1 ("gemm1": expansion, E4M3 dot, promotion, SiTU, intermediate
+    quantization, split-K) or GEMM2 ("gemm2": with the top-k combine) at one W4A8Config for
+    sm<arch> with a real launch's specialisations; weight_block 32 (MXFP4) or 16 (NVFP4).
+    Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
+    _require_compiler()
+    from ..moe_w4a8_details import kernels as K
+
+    common = dict(aq_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*u8", off_ptr="*i8", rs_ptr="*fp32", tickets_ptr="*i32",
+                  sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k,
+                  H=H, I=I)
+    consts = dict(WB=weight_block, BLOCK_M=config.block_m)
+    if kind == "gemm1":
+        fn = K.w4a8_gemm1_kernel
+        args = dict(o_ptr="*fp8e4nv", os_ptr="*fp32", part_ptr="*fp32", beta=4.0, linear_beta=25.0, **common)
+        consts.update(ACT=0, HAS_LINEAR_BETA=True, BLOCK_N=config.block_n1, BLOCK_K=config.block_k1,
+                      SPLIT_K=config.split_k1)
+    else:
+        fn = K.w4a8_gemm2_kernel
+        args = dict(topk_w_ptr="*fp32", topk_ids_ptr="*i32", stride_im=top_k, stride_ik=1, buf_ptr="*fp32",
+                    out_ptr="*bf16", stride_om=H, stride_oh=1, num_experts=17, scale=1.0, **common)
+        consts.update(BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
+                      ATOMIC=config.atomic_reduce)
+    return compile_kernel(fn, args, consts, arch, config.num_warps, config.num_stages)
+
+
+def mode_report(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16,
+                weight_blocks: tuple[int, ...] = (32, 16), ptx_dir=None) -> list[dict]:
+    """GEMM1 and GEMM2 of the e4m3 mode at W4A8_CONFIGS (weights from MXFP4 and from NVFP4): per
+    kernel its FP8 wgmma forms and count in the PTX, any bf16 wgmma (a decomposition), registers,
+    spill bytes, shared memory, and the hot loop's instructions per warp. A compile error is
+    reported in the record, not hidden. ptx_dir (a pathlib.Path): each kernel that sums by last
+    arrival (GEMM2 always, GEMM1 when split over K) also writes its PTX there, and its record
+    names the file, the kernel's PTX parameters and the sum's buffer (the memory-ordering check of
+    tests/ptx_ordering.py reads them)."""
+    from ..moe_w4a8_details.config import W4A8Config
+    from . import sass
+
+    out = []
+    for tag, kw in W4A8_CONFIGS:
+        cfg = W4A8Config(**kw)
+        for kind in ("gemm1", "gemm2"):
+            for wb in weight_blocks:
+                rec = {"kernel": f"{kind}_e4m3_{tag}_wb{wb}", "config": cfg.label(), "arch": arch,
+                       "triton": triton.__version__}
+                try:
+                    c = compile_w4a8_gemm(kind, cfg, H, I, top_k, arch, wb)
+                    ptx = c.asm["ptx"]
+                    cubin = c.asm["cubin"]
+                    funcs = sass.disassemble(cubin)
+                    name = next(n for n in funcs if "gemm" in n)
+                    ru = sass.resource_usage(cubin)[name]
+                    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+                    rec.update(wgmma_forms=sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)}),
+                               wgmma_e4m3_in_ptx=len(WGMMA_E4M3.findall(ptx)),
+                               wgmma_bf16_in_ptx=len(re.findall(r"wgmma\.mma_async[^;]*\.bf16\.bf16", ptx)),
+                               registers=ru.registers, local_bytes=ru.local_bytes, shared_bytes=c.metadata.shared,
+                               loop_instructions_per_warp=st.instructions, loop_mma_per_warp=st.mma)
+                    if ptx_dir is not None and (kind == "gemm2" or cfg.split_k1 > 1):
+                        (ptx_dir / f"{rec['kernel']}.ptx").write_text(ptx)
+                        rec.update(ptx=f"{rec['kernel']}.ptx", buffer="part_ptr" if kind == "gemm1" else "buf_ptr",
+                                   params=[k for k, v in c.src.signature.items() if v != "constexpr"])
+                except Exception as exc:  # reported, not hidden: the caller / test decides
+                    rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                out.append(rec)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -P -m k3nvfp4.kernels.offline.compile_w4a8",
                                  description=__doc__.split("\n")[0])
@@ -91,7 +174,22 @@ def main(argv=None) -> int:
     ap.add_argument("--block-k", type=int, default=128, help="K per loop iteration (a multiple of 32)")
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=3)
+    ap.add_argument("--mode", action="store_true",
+                    help="compile the e4m3 mode's GEMM1 and GEMM2 (W4A8_CONFIGS) instead of the probe")
+    ap.add_argument("--weight-block", type=int, choices=(16, 32), action="append",
+                    help="with --mode: the weights' block (32 MXFP4, 16 NVFP4; default both)")
+    ap.add_argument("--ptx-dir", help="with --mode: write the PTX of each last-arrival kernel into this folder")
     a = ap.parse_args(argv)
+    if a.mode:
+        import pathlib
+
+        ptx_dir = None
+        if a.ptx_dir:
+            ptx_dir = pathlib.Path(a.ptx_dir)
+            ptx_dir.mkdir(parents=True, exist_ok=True)
+        json.dump(mode_report(weight_blocks=tuple(a.weight_block or (32, 16)), ptx_dir=ptx_dir), sys.stdout, indent=1)
+        print()
+        return 0
     if a.block_k % 32:
         ap.error(f"--block-k {a.block_k}: must be a multiple of 32 (one exponent offset per 32 weights)")
     json.dump(probe_report(a.block_n, a.block_m, a.block_k, a.num_warps, a.num_stages), sys.stdout, indent=1)

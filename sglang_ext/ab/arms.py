@@ -15,6 +15,12 @@ runs by default; a new arm is a builder and one line there.
                activations / W4A8 MXFP8 activations against MXFP4 weights, native on Blackwell,
                decomposed elsewhere); their error against the reference and triton_situ is the
                accuracy cost of quantizing the activations
+- triton_situ:e4m3: the Hopper W4A8 mode (fused_moe_nvfp4 on W4A8MoEWeights prepared from the
+               layer's checkpoint tensors: E2M1 expanded exactly to E4M3, E4M3 activations with
+               an fp32 scale per token per 128 columns, FP8 MMA; sm89 / sm90 or newer, or the
+               interpreter); NVFP4 layers need power-of-two block scales (the cast's), else "not
+               available" with the reason. Compared with the reference, triton_situ (W4A16) and
+               triton_situ:mxfp8 (the other W4A8 numerics, K3's native)
 - marlin:      SGLang's NVFP4 marlin MoE (sgl_kernel): weights repacked as
                ModelOptNvFp4FusedMoEMethod.process_weights_after_loading does for the marlin
                backend (w13 scale_2 collapsed to the gate column, then
@@ -120,6 +126,40 @@ def build_triton_situ_fp4(ex: NVFP4MoELayer, device: torch.device, dtype: torch.
                                             "W4A8, MXFP8 activations and intermediate against MXFP4 weights (K3's native numerics)")]  # fmt: skip
     if device.type == "cuda" and target.capability(device)[0] != 10:
         notes.append("not a Blackwell GPU: tl.dot_scaled runs decomposed (correctness, not speed)")
+    return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, **kw)), notes
+
+
+def build_triton_situ_e4m3(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtype) -> tuple[RunFn, list[str]]:
+    """fused_moe_nvfp4 on the e4m3 mode's W4A8MoEWeights, prepared once from the layer's checkpoint
+    tensors; a device without FP8 MMA or weights the mode cannot expand exactly (non-power-of-two
+    NVFP4 block scales) is ArmUnavailable with the reason. Blocks re-encoded below their row's
+    window are counted in the notes."""
+    import warnings
+
+    from k3nvfp4.kernels.interpreter import kernels_interpreted
+
+    if device.type != "cuda" and not kernels_interpreted():
+        raise ArmUnavailable(f"Triton kernels need a CUDA device; tensors are on {device} and TRITON_INTERPRET is not set")
+    from k3nvfp4.kernels import fused_moe_nvfp4
+    from k3nvfp4.kernels.modes import MODES
+    from k3nvfp4.kernels.moe_w4a8 import check_w4a8_supported
+
+    if ex.tensors is None:
+        raise ArmUnavailable("the layer carries no checkpoint tensors to prepare this mode's weights from")
+    try:
+        check_w4a8_supported(device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the count goes to the notes
+            w = MODES["e4m3"].prepare(ex.tensors).to(device)
+    except ValueError as e:
+        raise ArmUnavailable(f"e4m3 expands only power-of-two block scales exactly: {e}") from None
+    except (RuntimeError, NotImplementedError) as e:
+        raise ArmUnavailable(str(e)) from None
+    kw = ex.activation_kwargs()
+    notes = ["act_quant=e4m3: W4A8 on Hopper, E2M1 weights expanded exactly to E4M3, E4M3 activations and "
+             "intermediate with an fp32 scale per token per 128 columns",
+             f"{w.out_of_window} weight blocks lie more than 14 binades below their row's largest "
+             f"({w.rounded} of them changed by their re-encoding)"]
     return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, **kw)), notes
 
 
@@ -250,6 +290,7 @@ ARMS: dict[str, Arm] = {
                             default="mxfp4"),
     "triton_situ:nvfp4": Arm(_fp4_mode("nvfp4"), ("reference", "triton_situ")),
     "triton_situ:mxfp8": Arm(_fp4_mode("mxfp8"), ("reference", "triton_situ")),
+    "triton_situ:e4m3": Arm(build_triton_situ_e4m3, ("reference", "triton_situ", "triton_situ:mxfp8")),
     "marlin": Arm(build_marlin, default="always"),
     "flashinfer": Arm(build_flashinfer, default="always"),
 }

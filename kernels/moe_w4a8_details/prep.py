@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import formats
-from .moe_details.e4m3_expand import E4M3_EXPAND_MAX_OFFSET, E4M3_EXPAND_MIN_OFFSET, expand_e2m1_to_e4m3_reference
+from .. import formats
+from ..moe_details.e4m3_expand import E4M3_EXPAND_MAX_OFFSET, E4M3_EXPAND_MIN_OFFSET, expand_e2m1_to_e4m3_reference
 
 OUT_OF_WINDOW_MODES = ("round", "refuse")
 FP32_MIN_NORMAL_EXP = -126
