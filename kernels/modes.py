@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .moe_details.config import MoEConfig
+from .moe_details.layout import E5M3_16, E8M0_32
 from .moe_details.weights import ModelOptMoETensors, MXFP4MoETensors, NVFP4MoEWeights
 from .moe_fp4_details.config import FP4MoEConfig
 from .moe_fp4_details.weights import FP4MMAWeights
@@ -78,16 +79,16 @@ def _fp4(act_quant: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 W4A16 = KernelMode(
     "none", "W4A16", "FP4 weight tile dequantized in registers to bf16, bf16 x bf16 MMA (wgmma / mma)",
-    NVFP4MoEWeights, MoEConfig, ("w4a16 e5m3/16", "w4a16 e8m0/32"),
+    NVFP4MoEWeights, MoEConfig, tuple(MoEConfig.cost_mode(f) for f in (E5M3_16, E8M0_32)),  # both scale formats
     lambda *t: NVFP4MoEWeights.from_modelopt(*t), lambda *t: NVFP4MoEWeights.from_mxfp4(*t),
 )
 W4A4_NVFP4 = KernelMode(
     "nvfp4", "W4A4", "activations NVFP4 (E4M3 per 16, fp32 per row) x NVFP4 weights, tl.dot_scaled e2m1 x e2m1",
-    FP4MMAWeights, FP4MoEConfig, ("w4a4 nvfp4",), *_fp4("nvfp4"),
+    FP4MMAWeights, FP4MoEConfig, (FP4MoEConfig.cost_mode("nvfp4"),), *_fp4("nvfp4"),
 )
 W4A8_MXFP8 = KernelMode(
     "mxfp8", "W4A8", "activations MXFP8 (E8M0 per 32) x MXFP4 weights, tl.dot_scaled e4m3 x e2m1",
-    FP4MMAWeights, FP4MoEConfig, ("w4a8 mxfp8",), *_fp4("mxfp8"),
+    FP4MMAWeights, FP4MoEConfig, (FP4MoEConfig.cost_mode("mxfp8"),), *_fp4("mxfp8"),
 )
 
 W4A8_E4M3 = KernelMode(

@@ -16,6 +16,7 @@ import torch
 from . import act_quant as aq
 from . import formats
 from .activation import K3_SITU, GatedActivation
+from .moe_details.combine_reference import combine_slots
 from .moe_details.validate import validate_moe_inputs
 from .moe_fp4_details.validate import input_scale_value, intermediate_is_static
 from .moe_fp4_details.weights import FP4_PREPARE_HINT, FP4MMAWeights
@@ -88,13 +89,4 @@ def fused_moe_fp4_reference(
             a_q, a_e = aq.quantize_mxfp8_rows(a)
             y = aq.dequantize_mxfp8_rows(a_q, a_e) @ w2.t()
         ys[tok, slot] = y * topk_weights[tok, slot][:, None]
-    acc = torch.zeros(M, H, dtype=torch.float32, device=hidden_states.device)
-    for j in range(k):  # slot order, as the combine kernel; dropped slots add nothing
-        acc = acc + ys[:, j]
-    if routed_scaling_factor is not None:
-        acc = acc * float(routed_scaling_factor)
-    result = acc.to(hidden_states.dtype)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result
+    return combine_slots(ys, routed_scaling_factor, hidden_states.dtype, out)

@@ -15,6 +15,7 @@ import torch
 
 from . import act_quant as aq
 from .activation import K3_SITU, GatedActivation
+from .moe_details.combine_reference import combine_slots
 from .moe_details.validate import validate_moe_inputs
 from .moe_w4a8_details.weights import W4A8_PREPARE_HINT, W4A8MoEWeights
 from .situ import gated_activation_f32
@@ -66,13 +67,4 @@ def fused_moe_w4a8_reference(
         a_q, a_s = aq.quantize_e4m3_groups(a, g)
         y = _grouped_gemm(a_q, a_s, w2_all[e], g) * weights.w2_row_scale[e][None, :]
         ys[tok, slot] = y * topk_weights[tok, slot][:, None]
-    acc = torch.zeros(M, H, dtype=torch.float32, device=hidden_states.device)
-    for j in range(k):  # slot order, as the combine kernel; dropped slots add nothing
-        acc = acc + ys[:, j]
-    if routed_scaling_factor is not None:
-        acc = acc * float(routed_scaling_factor)
-    result = acc.to(hidden_states.dtype)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result
+    return combine_slots(ys, routed_scaling_factor, hidden_states.dtype, out)
