@@ -19,8 +19,9 @@ time to start; started together they share the cores):
   ``activation_situ_beta`` 4.0 -> PERTURBED_BETA in a copy of its config.json: the negative control.
 ``k3nvfp4-ab serve --fail-on-divergence`` (greedy, logprobs) compares reference vs nvfp4, two
 implementations AND two checkpoints (the cast is exact, so the same model): verdict agree, exit 0;
-then reference vs perturbed: verdict diverge, exit 1. The two runs share the reference server one
-after the other with different batching, and its streams must come out the same in both.
+then reference vs perturbed on the short prompt (AB_RUN_PROMPTS): verdict diverge, exit 1. The two
+runs share the reference server one after the other with different batching, and its streams
+for the prompts both runs ask must come out the same in both.
 The synthetic model has no MLA layer (two layers: dense, then KDA + MoE), so SGLang's MLA decode
 kernels are not reached. Prompts past one 16-token KDA sub-chunk came back NaN before the CPU
 workaround ``_interpreter_bf16_dot`` (docs/serving.md); the long prompts keep it proven.
@@ -162,6 +163,11 @@ def test_triton_situ_serves_k3_over_http(servers, name, scale_format):
 # reference's streams must come out the same in both runs: its outputs do not depend on its
 # batches, so the two verdicts compare each triton_situ server with the same reference.
 AB_CONCURRENCY = {"nvfp4": 2 * len(AB_PROMPTS), "perturbed": 1}
+# The negative control runs the short prompt only: a SiTU beta of 2.0 moves its logprobs far
+# beyond the bound within AB_TOKENS (measured: 9x), and each 512-token prefill costs ~75 s of
+# the interpreter's KDA kernels on 2 cores, twice more (reference and control) for a run on the
+# long prompt. The 512-token agreement is the reference-vs-cast run's to prove.
+AB_RUN_PROMPTS = {"nvfp4": AB_PROMPTS, "perturbed": [p for p in AB_PROMPTS if p["id"] == "short"]}
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +175,11 @@ def ab_runs(servers, tmp_path_factory):
     """``k3nvfp4-ab serve --fail-on-divergence`` against the reference, first with nvfp4, then with
     the negative control. name -> (exit status, report.json, completions by (arm, prompt id))."""
     d = tmp_path_factory.mktemp("k3ab")
-    prompts = d / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in AB_PROMPTS))
     ref = servers["reference"][0]
     out = {}
     for other in ("nvfp4", "perturbed"):
+        prompts = d / f"{other}.prompts.jsonl"
+        prompts.write_text("".join(json.dumps(p) + "\n" for p in AB_RUN_PROMPTS[other]))
         rc = cli.main(["serve", "--arm", f"reference={ref.url}", "--arm", f"{other}={servers[other][0].url}",
                        "--prompts", str(prompts), "--seeds", "1", "--max-tokens", str(AB_TOKENS),
                        "--top-logprobs", "5", "--timeout", "1800", "--no-progress", "--no-plots",
@@ -215,7 +221,7 @@ def test_reference_outputs_do_not_depend_on_its_batches(ab_runs):
     """The reference's greedy streams (text and token count) are the same in both A/B runs,
     whose requests reached it in different batches (AB_CONCURRENCY)."""
     a, b = ab_runs["nvfp4"][3], ab_runs["perturbed"][3]
-    for p in AB_PROMPTS:
+    for p in AB_RUN_PROMPTS["perturbed"]:
         ra, rb = a[("reference", p["id"])], b[("reference", p["id"])]
         assert ra["content"] == rb["content"] and ra["completion_tokens"] == rb["completion_tokens"] == AB_TOKENS, p["id"]
     ta = {r["id"]: r for r in ab_runs["nvfp4"][1]["verdict"]["per_prompt"]}
@@ -231,7 +237,7 @@ def test_negative_control_is_reported_divergent(ab_runs):
           json.dumps({k: v[k] for k in ("verdict", "divergent", "beyond_bound", "max_abs_dlogprob")}))
     assert rc == 1 and v["verdict"] == "diverge" and "**Verdict: diverge**" in summary
     flagged = set(v["divergent"]) | set(v["beyond_bound"])
-    assert flagged and flagged <= {p["id"] for p in AB_PROMPTS}
+    assert flagged == {p["id"] for p in AB_RUN_PROMPTS["perturbed"]}
     assert g["max_abs_dlogprob"] > DLOGPROB_BOUND
     for r in v["per_prompt"]:
         if r["status"] == "divergent":
