@@ -55,6 +55,17 @@ def is_terminal(stream: IO[str]) -> bool:
         return False
 
 
+def significant(x: float) -> str:
+    """``x`` with three significant digits, whole numbers from 100 on (``0.0312``, ``0.11``, ``12.5``,
+    ``1,250``, ``0``): a slow rate never reads 0."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def format_rate(rate: float, unit: str) -> str:
+    """``0.0312 req/s``, ``12.5 tok/s``: a rate per second of ``unit`` with three significant digits."""
+    return f"{significant(rate)} {unit}/s"
+
+
 class LogProgress:
     """tqdm's update / close / set_postfix_str / n, written as one plain line per interval.
 
@@ -109,8 +120,9 @@ class LogProgress:
 
         if self.unit_scale and rate >= 1:
             return f"{tqdm.format_sizeof(rate, self.unit, 1000)}/s"
-        text = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
-        return f"{text}{'' if self.unit_scale else ' '}{self.unit}/s"
+        if self.unit_scale:
+            return f"{significant(rate)}{self.unit}/s"
+        return format_rate(rate, self.unit)
 
     def line(self) -> str:
         """The status line as of now."""

@@ -161,6 +161,12 @@ def free_checkpoint_params(layer: Any, weights: Any, names: tuple[str, ...]) -> 
                 param.data = param.data.new_empty((0,) * param.dim())
 
 
+def _scale_format_name(weights: Any) -> str:
+    """``e5m3/16`` or ``e8m0/32``: the block-scale format of NVFP4MoEWeights' tiles."""
+    fmt = getattr(weights, "scale_format", None)
+    return getattr(fmt, "name", "unknown")
+
+
 def log_active_once(layer: Any, weights: Any, source: str) -> None:
     """One INFO line per process at load: the backend is active, with shapes and layout."""
     global _logged_active
@@ -191,7 +197,9 @@ def log_active_once(layer: Any, weights: Any, source: str) -> None:
         type(weights).__name__,
         list(weights.w13.shape),
         list(weights.w2.shape),
-        {"none": "kernel-native FP4 tiles (bit-placed e2m1, bf16 block-16 scales)",
+        # The scale format the tiles hold: e5m3/16 for ModelOpt NVFP4, e8m0/32 for the MXFP4 release
+        # (a fixed "block-16" here misdescribed the release's 32-blocks).
+        {"none": f"kernel-native FP4 tiles (bit-placed e2m1, {_scale_format_name(weights)} block scales)",
          "e4m3": "e2m1 + int8 exponent offsets per block (exact E4M3 expansion) + fp32 row factors"}.get(
             act_quant, "e2m1 + block scales for tl.dot_scaled"),
         weights.w13.device,

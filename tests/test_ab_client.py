@@ -184,6 +184,21 @@ def test_requests_in_flight_are_bounded(capsys):
     assert " | a " in err and " | b " in err and err.count("req/s") == 3 and err.count("tok/s") == 2
 
 
+def test_per_arm_rates_keep_three_significant_digits():
+    """Issue 40, seen on two K3 CPU servers: 2 requests and 4 tokens in 90 s read
+    "0.02 req/s 0.0 tok/s" (fixed decimals); the per-arm rates read as the bar's own rate does."""
+    from k3nvfp4.sglang_ext.ab.client import Completion
+
+    rates = serve._ArmRates(["reference", "triton_situ"])
+    rates.t0 -= 90.0
+    comp = Completion(content="", reasoning_content="w001 w002", finish_reason="length", tokens=None,
+                      completion_tokens=2, latency_s=80.0)
+    rates.add("reference", comp)
+    line = rates.add("reference", comp)
+    # 2 / 90 = 0.0222..., 4 / 90 = 0.0444...; the clock moved by microseconds since t0 was set back.
+    assert line == "reference 0.0222 req/s 0.0444 tok/s | triton_situ 0 req/s 0 tok/s", line
+
+
 def test_first_error_cancels_the_rest_and_keeps_what_was_answered():
     """Jobs a0 b0 a1 b1 ..., --concurrency 3. Arm a answers two requests, then hangs; arm b answers
     its first request HTTP 400 once a hangs, and hangs after that. The run stops with b's error at

@@ -98,6 +98,8 @@ def test_layer_ab_cpu_reference_triton_marlin_unavailable(tmp_path):
     assert len(ref.times_ms) == 5 and ref.timing == "5 runs after a warm-up, on CPU: says nothing of GPU speed"
     assert tri.times_ms == [] and tri.median_ms is None and tri.timing.startswith("not timed: Triton interpreter")
     assert rep.setup["timing"] == {"warmup_runs": 1, "timed_runs": 5, "interpreted_arms_timed": False}
+    # and no note contradicts the timing column (an untimed arm has no timings to call meaningless).
+    assert not any("timing" in n for n in tri.notes), tri.notes
     # No arm substituted: marlin appears in no pair; the one pair is triton_situ vs reference.
     assert [(p.a, p.b) for p in rep.pairs] == [("triton_situ", "reference")]
     p = rep.pairs[0]

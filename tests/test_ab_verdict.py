@@ -92,8 +92,16 @@ def test_line_and_markdown_name_the_verdict_and_the_flagged_prompts():
     assert v.verdict == "diverge"
     line = verdict_line(v)
     assert line.startswith("verdict: diverge (bound 0.1 nats; 2 of 2 prompts compared: 1 identical")
+    # q parts at position 1 but counts as beyond the bound (checked first): the line and the table
+    # say that its streams parted too, not just "0 divergent" (seen on the tiny Llamas, issue 40).
+    assert "0 divergent, 1 beyond the bound (1 of which also parted);" in line
     md = verdict_markdown(json.loads(json.dumps(v.to_dict())))  # as report.json holds it
     assert "**Verdict: diverge**" in md and "| q | beyond_bound | 1 | 1.2 | 1.7 | 1 |" in md and "| p |" not in md
+    assert "| of those beyond the bound: streams also parted | 1 |" in md
+    # beyond the bound with identical streams: nothing parted, no clause.
+    same = [tok("x", -0.1, y=-2.5), tok("y", -0.9, z=-1.5), tok("z", -0.05, x=-3.0)]
+    line = verdict_line(decide([("p", A, same)], bound=0.1))
+    assert "0 divergent, 1 beyond the bound;" in line
 
 
 @pytest.mark.parametrize("raw,what", [("null", "null"), ("NaN", "NaN"), ('"nan"', "NaN")])

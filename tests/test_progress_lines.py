@@ -14,7 +14,7 @@ import pytest
 from k3nvfp4.checkpoint import convert
 from k3nvfp4.checkpoint.cli import main as cast_main
 from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
-from k3nvfp4.common.progress import INTERVAL_ENV, LogProgress, interval_from_env, progress_bar
+from k3nvfp4.common.progress import INTERVAL_ENV, LogProgress, format_rate, interval_from_env, progress_bar
 
 ESCAPES = re.compile(r"[\r\x1b]")
 
@@ -60,6 +60,14 @@ def test_slow_rates_keep_three_significant_digits(n, seconds, rate):
     clock.t += seconds
     assert p.line().startswith(f"requests: {n:,} of {max(n, 1):,} req ({100 * n // max(n, 1)}%), {rate} req/s, ")
     p.close()
+
+
+@pytest.mark.parametrize("rate, unit, text", [(0.0444, "tok", "0.0444 tok/s"), (0.0222, "req", "0.0222 req/s"),
+                                              (12.5, "tok", "12.5 tok/s"), (1250.4, "tok", "1,250 tok/s"),
+                                              (0.0, "req", "0 req/s")])
+def test_format_rate_three_significant_digits(rate, unit, text):
+    """The helper the A/B's per-arm rates use (the bar's own rate goes through it too)."""
+    assert format_rate(rate, unit) == text
 
 
 def test_slow_byte_rate():

@@ -135,6 +135,7 @@ def test_triton_situ_serves_k3_over_http(servers, name, scale_format):
     server, calls, applied = servers[name]
     log = server.log_tail(10**7)
     assert "k3nvfp4: MoE runner backend triton_situ active: 8 local of 8 experts" in log
+    assert f"kernel-native FP4 tiles (bit-placed e2m1, {scale_format} block scales)" in log  # its own layout, named
     before = len(_records(calls))  # the module's servers are shared: only this request's calls
     body = server.chat({"model": "k3", "messages": [{"role": "user", "content": "w001 w002 w003"}],
                         "max_tokens": NEW_TOKENS, "temperature": 0.0, "logprobs": True, "top_logprobs": 3},

@@ -466,7 +466,7 @@ def test_load_logs_backend_active(single_rank_run):
     active = [m for m in msgs if f"MoE runner backend {BACKEND} active" in m]
     assert len(active) == 1, msgs
     assert "8 local of 8 experts, hidden 64, intermediate/rank 64, moe tp 1/ep 1, activation situ" in active[0]
-    assert "w13 [8, 8, 1, 512] + w2 [8, 4, 1, 512] kernel-native FP4 tiles (bit-placed e2m1, bf16 block-16" in active[0]
+    assert "w13 [8, 8, 1, 512] + w2 [8, 4, 1, 512] kernel-native FP4 tiles (bit-placed e2m1, e5m3/16 block scales)" in active[0]
     print(active[0])
 
 

@@ -90,7 +90,8 @@ def build_triton_situ(ex: NVFP4MoELayer, device: torch.device, dtype: torch.dtyp
     elif ex.source_format == "mxfp4":
         notes.append("weights: the MXFP4 release read directly (NVFP4MoEWeights.from_mxfp4, no cast)")
     if device.type != "cuda":
-        notes.append("Triton interpreter on CPU (fp32 dots); timings are not meaningful.")
+        # No word on timing here: the arm is not timed in the interpreter, which the timing column says.
+        notes.append("Triton interpreter on CPU (fp32 dots)")
         if dtype != torch.float32:
             notes.append("The interpreter truncates fp32 -> bf16/fp16 casts where the reference rounds to nearest, "
                          "so the 16-bit intermediate differs by up to 1 ulp: expect rel err ~5e-3 vs the reference "

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ...common.files import write_text_atomic
 from ...common.outputs import OutputPathError, check_output_dir
-from ...common.progress import progress_bar
+from ...common.progress import format_rate, progress_bar
 from . import plots
 from .client import ChatClient, Completion, require_httpx
 from .datasets import load_prompt_set
@@ -179,7 +179,9 @@ class _ArmRates:
         self.done[arm] += 1
         self.tokens[arm] += comp.completion_tokens or 0
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        return " | ".join(f"{a} {self.done[a] / dt:.2f} req/s {self.tokens[a] / dt:.1f} tok/s" for a in self.done)
+        # Three significant digits, as the bar's own rate: a slow CPU server reads 0.0444 tok/s, not 0.0.
+        return " | ".join(f"{a} {format_rate(self.done[a] / dt, 'req')} {format_rate(self.tokens[a] / dt, 'tok')}"
+                          for a in self.done)
 
 
 async def _run_all_async(jobs: list[tuple[ChatClient, dict, tuple]], concurrency: int, progress: bool,

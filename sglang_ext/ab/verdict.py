@@ -161,11 +161,19 @@ def decide(streams: Sequence[tuple[str, Sequence[TokenLogprob] | None, Sequence[
                    by[BEYOND_BOUND], by[NO_LOGPROBS], max(worst) if worst else None, rows)
 
 
+def _beyond_and_parted(d: dict) -> int:
+    """Prompts beyond the bound whose streams also part. The statuses are exclusive and the bound
+    is checked first, so without this count "0 divergent" reads as if no stream had parted."""
+    return sum(1 for r in d["per_prompt"] if r["status"] == BEYOND_BOUND and r["first_divergence"] is not None)
+
+
 def verdict_line(v: Verdict | dict) -> str:
     """One line: the verdict, the bound and what it rests on (printed by the CLI)."""
     d = v.to_dict() if isinstance(v, Verdict) else v
+    parted = _beyond_and_parted(d)
     parts = [f"{d['identical']} identical", f"{d['near_tie']} parted at a near tie",
-             f"{len(d['divergent'])} divergent", f"{len(d['beyond_bound'])} beyond the bound"]
+             f"{len(d['divergent'])} divergent", f"{len(d['beyond_bound'])} beyond the bound"
+             + (f" ({parted} of which also parted)" if parted else "")]
     if d["no_logprobs"]:
         parts.append(f"{len(d['no_logprobs'])} without logprobs")
     return (f"verdict: {d['verdict']} (bound {d['bound_nats']:.4g} nats; {d['compared']} of {d['prompts']} prompts "
@@ -182,8 +190,9 @@ def verdict_markdown(v: Verdict | dict) -> str:
         ["prompts compared", f"{d['compared']}/{d['prompts']}"],
         ["identical streams", d["identical"]],
         ["parted at a near tie", d["near_tie"]],
-        ["divergent", len(d["divergent"])],
-        ["logprob beyond the bound", len(d["beyond_bound"])],
+        ["divergent (parted, not at a near tie; logprobs within the bound)", len(d["divergent"])],
+        ["logprob beyond the bound (checked first)", len(d["beyond_bound"])],
+        ["of those beyond the bound: streams also parted", _beyond_and_parted(d)],
         ["max abs delta logprob (aligned positions)", fmt(d["max_abs_dlogprob"], ".3g")],
     ]))
     if flagged:
