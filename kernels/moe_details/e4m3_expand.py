@@ -103,3 +103,84 @@ def e2m1_times_pow2(codes, scale):
     h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
     return h.to(tl.float32) * scale
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU form: a per-block byte table and PRMT (inline PTX; the interpreter takes the float form).
+#
+# For one block with offset j the E4M3 bytes of E2M1(mag) x 2^j, mag = 0..7, are a table of 8
+# bytes in two registers (tlo: mags 0..3, thi: mags 4..7). With B = 8 j + 48 (the E4M3 byte of
+# 2^(j - 1)) and every entry normal (j >= -5) the table is linear in j, one multiply-add per word:
+#     [0, B, B + 8, B + 12 | B + 16, B + 20, B + 24, B + 28]
+#     tlo = j x 0x08080800 + 0x3C383000,  thi = j x 0x08080808 + 0x4C484440
+# (no byte carries for j in [-7, 6]: every entry of thi lies in [8, 124]). Below, E4M3 bytes 0..15
+# are the values k x 2^-9 (subnormals, then exponent field 1), so the subnormal entries are the
+# integers E2M1(mag) x 2^(j + 9):
+#     j = -6: tlo = 0x0C080400 (= 0x03020100 << 2), thi as the formula (all normal);
+#     j = -7: tlo = 0x06040200 (<< 1), thi as the formula (0x14100C08: 8, 12, 16, 20);
+#     j = -8: tlo = 0x03020100 (<< 0), thi = 0x0C080604 (the formula's 0x0C080400 | 0x0604).
+# So tlo = j < -5 ? 0x03020100 << (j + 8) : formula, and thi = formula | (j == -8 ? 0x0604 : 0),
+# with the conditions as arithmetic-shift masks (no predicates): 11 PTX instructions per block.
+#
+# Per 32-bit word w of 8 nibbles (nibble n = element n, bits 4n..4n+3, the packed byte order:
+# low nibble = even element), two outputs of 4 E4M3 bytes (lo: elements 0..3, hi: 4..7):
+#   - magnitudes: PRMT's default mode picks byte (s & 7) of {thi, tlo} for each selector nibble
+#     s of its low 16 bits, but s & 8 would replicate that byte's sign instead; so the selectors
+#     are the nibbles with the sign bits cleared (one AND for both halves, one shift for hi);
+#   - signs: PRMT's sign-replicate mode makes a byte 0xFF / 0x00 from the top bit of a source
+#     byte. Element 2i + 1's sign is the top bit of w's byte i, element 2i's that of (w << 4)'s
+#     byte i; selectors 0xD9C8 (elements 0..3) and 0xFBEA (4..7) over {w, w << 4};
+#   - one LOP3 per output: magnitude | (sign bytes & 0x80808080).
+# 9 PTX instructions per 8 weights; tests/test_e4m3_prmt_ptx.py runs these exact strings in
+# tests/ptx_emulator.py against expand_e2m1_to_e4m3_reference over every code in every nibble
+# position x every offset of the window.
+
+E4M3_TABLE_PTX = """{
+.reg .b32 nlo, slo, sh, m6, m8;
+mad.lo.u32 nlo, $2, 0x08080800, 0x3C383000;
+mad.lo.u32 $1, $2, 0x08080808, 0x4C484440;
+add.u32 sh, $2, 8;
+mov.b32 slo, 0x03020100;
+shl.b32 slo, slo, sh;
+add.u32 m6, $2, 5;
+shr.s32 m6, m6, 31;
+lop3.b32 $0, slo, nlo, m6, 0xe4;
+add.u32 m8, $2, 7;
+shr.s32 m8, m8, 31;
+lop3.b32 $1, $1, 0x0604, m8, 0xf8;
+}"""
+# lop3 0xe4: c ? a : b; 0xf8: a | (b & c)
+
+E4M3_LOOKUP_PTX = """{
+.reg .b32 m, mh, w4, slo, shi, vlo, vhi;
+and.b32 m, $2, 0x77777777;
+shl.b32 w4, $2, 4;
+prmt.b32 vlo, $3, $4, m;
+shr.b32 mh, m, 16;
+prmt.b32 vhi, $3, $4, mh;
+prmt.b32 slo, w4, $2, 0xD9C8;
+prmt.b32 shi, w4, $2, 0xFBEA;
+lop3.b32 $0, vlo, slo, 0x80808080, 0xf8;
+lop3.b32 $1, vhi, shi, 0x80808080, 0xf8;
+}"""
+
+_TABLE_PTX = tl.constexpr(E4M3_TABLE_PTX)
+_LOOKUP_PTX = tl.constexpr(E4M3_LOOKUP_PTX)
+
+
+@triton.jit
+def e4m3_block_tables(offset):
+    """int32 offsets j in [-8, 6] (any shape, one per block) -> (tlo, thi) uint32 of that shape:
+    the E4M3 bytes of E2M1(mag) x 2^j for mag 0..3 (tlo, byte mag) and 4..7 (thi). GPU only
+    (inline PTX, above); pack 1, so the result does not depend on Triton's register order."""
+    return tl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r", [offset], dtype=(tl.uint32, tl.uint32),
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def expand_e2m1_words_e4m3(words, tlo, thi):
+    """words int32 (any shape; 8 E2M1 nibbles each, nibble n = element n) and their blocks'
+    tables (e4m3_block_tables, same shape) -> (lo, hi) uint32: the E4M3 bytes of elements 0..3
+    (lo, byte n) and 4..7 (hi, byte n - 4). GPU only (inline PTX, above), one word per call."""
+    return tl.inline_asm_elementwise(_LOOKUP_PTX, "=r,=r,r,r,r", [words, tlo, thi], dtype=(tl.uint32, tl.uint32),
+                                     is_pure=True, pack=1)
