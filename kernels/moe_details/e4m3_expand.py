@@ -169,18 +169,47 @@ _LOOKUP_PTX = tl.constexpr(E4M3_LOOKUP_PTX)
 
 
 @triton.jit
-def e4m3_block_tables(offset):
+def e4m3_block_tables(offset, USE_ASM: tl.constexpr):
     """int32 offsets j in [-8, 6] (any shape, one per block) -> (tlo, thi) uint32 of that shape:
-    the E4M3 bytes of E2M1(mag) x 2^j for mag 0..3 (tlo, byte mag) and 4..7 (thi). GPU only
-    (inline PTX, above); pack 1, so the result does not depend on Triton's register order."""
-    return tl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r", [offset], dtype=(tl.uint32, tl.uint32),
-                                     is_pure=True, pack=1)
+    the E4M3 bytes of E2M1(mag) x 2^j for mag 0..3 (tlo, byte mag) and 4..7 (thi). USE_ASM: the
+    inline PTX above (pack 1, so the result does not depend on Triton's register order), else the
+    same arithmetic in plain Triton (the interpreter), bit for bit."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r", [offset], dtype=(tl.uint32, tl.uint32),
+                                         is_pure=True, pack=1)
+    else:
+        j = offset.to(tl.int32)  # int32 arithmetic: no product or sum here leaves its range
+        nlo = j * 0x08080800 + 0x3C383000
+        slo = 0x03020100 << tl.minimum(j + 8, 2)  # used only where j + 8 <= 2
+        m6 = (j + 5) >> 31  # -1 where j < -5 (arithmetic shift)
+        m8 = (j + 7) >> 31  # -1 where j == -8
+        thi = (j * 0x08080808 + 0x4C484440) | (m8 & 0x0604)
+        tlo = (slo & m6) | (nlo & (-1 - m6))
+        return tlo.to(tl.uint32, bitcast=True), thi.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def expand_e2m1_words_e4m3(words, tlo, thi):
+def _lookup_byte(w, t64, n: tl.constexpr):
+    """E4M3 byte of nibble n of w (plain Triton: PRMT's byte pick, then the sign)."""
+    s = ((w >> (4 * n)) & 7).to(tl.uint64)
+    mag = ((t64 >> (8 * s)) & 0xFF).to(tl.uint32)
+    return mag | (((w >> (4 * n + 3)) & 1) << 7)
+
+
+@triton.jit
+def expand_e2m1_words_e4m3(words, tlo, thi, USE_ASM: tl.constexpr):
     """words int32 (any shape; 8 E2M1 nibbles each, nibble n = element n) and their blocks'
     tables (e4m3_block_tables, same shape) -> (lo, hi) uint32: the E4M3 bytes of elements 0..3
-    (lo, byte n) and 4..7 (hi, byte n - 4). GPU only (inline PTX, above), one word per call."""
-    return tl.inline_asm_elementwise(_LOOKUP_PTX, "=r,=r,r,r,r", [words, tlo, thi], dtype=(tl.uint32, tl.uint32),
-                                     is_pure=True, pack=1)
+    (lo, byte n) and 4..7 (hi, byte n - 4). USE_ASM: the inline PTX above, one word per call;
+    else plain Triton with the same bits (the interpreter)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_LOOKUP_PTX, "=r,=r,r,r,r", [words, tlo, thi],
+                                         dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        w = words.to(tl.uint32, bitcast=True)
+        t64 = tlo.to(tl.uint64) | (thi.to(tl.uint64) << 32)
+        lo = (_lookup_byte(w, t64, 0) | (_lookup_byte(w, t64, 1) << 8) | (_lookup_byte(w, t64, 2) << 16)
+              | (_lookup_byte(w, t64, 3) << 24))
+        hi = (_lookup_byte(w, t64, 4) | (_lookup_byte(w, t64, 5) << 8) | (_lookup_byte(w, t64, 6) << 16)
+              | (_lookup_byte(w, t64, 7) << 24))
+        return lo, hi
