@@ -16,19 +16,20 @@ Why integers only: with Triton 3.8, booleans (tl.where masks, comparisons) kept 
 expansion that feeds tl.dot failed to compile for sm90 ("local_alloc element type bit width must be
 a multiple of 8"); the masks here are integers (arithmetic shifts of int32 give 0 / -1).
 
-The float form (the W4A8 mode's kernels use it): place the code's 3 magnitude bits at fp16
-mantissa/exponent bits 9..11 and its sign at bit 15. That fp16 is E2M1(code) x 2^-14 exactly:
-codes 0 and 1 land on fp16 subnormals (1 << 9 is 2^-15), codes 2..7 on normals with exponent
-field p. Times the per-block fp32 2^(14 + j) (e2m1_pow2_scale) it is E2M1(code) x 2^j, exact
-(a power-of-two product in fp32's normal range). Its cast to E4M3 is then exact too, so any
-correct cast works: the GPU's cvt, or the interpreter's integer one. On sm90 this takes about a
-third of the integer form's instructions per weight (docs/w4a8.md).
+The float form (the W4A8 mode's kernels use it under Triton's interpreter): place the code's 3
+magnitude bits at fp16 mantissa/exponent bits 9..11 and its sign at bit 15. That fp16 is
+E2M1(code) x 2^-14 exactly: codes 0 and 1 land on fp16 subnormals (1 << 9 is 2^-15), codes 2..7 on
+normals with exponent field p. Times the per-block fp32 2^(14 + j) (e2m1_pow2_scale) it is
+E2M1(code) x 2^j, exact (a power-of-two product in fp32's normal range). Its cast to E4M3 is then
+exact too, so any correct cast works: the GPU's cvt, or the interpreter's integer one.
 
-Cost of the integer form: the probe GEMM of kernels/offline/compile_w4a8.py spends about 30 thread
-instructions per weight in its hot loop (sm90, Triton 3.8). The FP8 tensor cores do about 4000 MACs
-per SM per clock, so with N tokens per MMA the issue budget is about N / 32 instructions per weight
-(8 at N = 256). docs/w4a8.md lists the cheaper formulation (a per-block 8-byte table and PRMT, 4
-weights per instruction) the mode's kernel should use; this routine is the exact reference it must match.
+The table + PRMT form (the mode's kernels use it on a GPU; below the reference routines): one
+8-byte table of E4M3 bytes per block, then per 32-bit word of 8 nibbles two PRMT lookups and two
+sign PRMTs, as inline PTX (E4M3_TABLE_PTX, E4M3_LOOKUP_PTX), with a plain-Triton twin of the same
+bits. GEMM1's sm90 decode loop: about 3.1 thread instructions per weight, against 8.8 for the
+float form and about 27 for the integer form (docs/w4a8.md, Triton 3.8). The FP8 tensor cores do
+about 4000 MACs per SM per clock, so with N tokens per MMA the issue budget is about N / 32
+instructions per weight (8 at N = 256).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Triton jit kernels of the Hopper W4A8 mode ("e4m3"): 4-bit weights expanded exactly to E4M3 in
-registers (moe_details/e4m3_expand.py, its float form), FP8 activations, ``tl.dot`` on E4M3 x E4M3
+registers (moe_details/e4m3_expand.py: its table + PRMT PTX on a GPU, its float form in the
+interpreter), FP8 activations, ``tl.dot`` on E4M3 x E4M3
 (FP8 wgmma ``.e4m3.e4m3`` on sm90), fp32 accumulators. docs/w4a8.md gives the numerics:
 
 - activations and the SiTU intermediate: E4M3 with one fp32 scale s = amax / 448 per token per 128
