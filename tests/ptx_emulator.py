@@ -5,7 +5,7 @@ Operands follow Triton's ``tl.inline_asm_elementwise`` convention: ``$0 .. $(n_o
 outputs, then the inputs in order; the constraint string gives each operand's width ("h" 16-bit,
 "r" 32-bit). Supported: ``.reg .b16/.b32`` declarations (writes truncate to the width), ``mov.b32`` (immediate, register, pack
 ``{a, b}`` and unpack), ``and/or/xor/not.b32``, ``lop3.b32``, ``shf.{l,r}.{wrap,clamp}.b32``,
-``shl/shr.b32``, ``prmt.b32`` (default mode), ``add/sub.{u32,s32}``, ``mad.lo.u32``,
+``shl/shr.b32``, ``shr.s32``, ``prmt.b32`` (default mode), ``add/sub.{u32,s32}``, ``mad.lo.u32``,
 ``fma.rn.bf16x2`` and ``mul.rn.bf16x2`` (IEEE round to nearest even, subnormals kept, no flush).
 Anything else raises ``UnsupportedPTX``: a later change to the asm cannot pass unchecked.
 """
@@ -186,6 +186,9 @@ def run(asm: str, constraints: str, inputs: list[int]) -> list[int]:
             n = n & 31 if ".wrap" in op else min(n, 32)
             both = lo | (hi << 32)
             put(d, ((both << n) >> 32) & M32 if op.startswith("shf.l") else (both >> n) & M32)
+        elif op == "shr.s32":  # arithmetic: the sign bit fills
+            a, n = val(args[0]), min(val(args[1]), 31)
+            put(d, ((a - (1 << 32) if a >> 31 else a) >> n) & M32)
         elif op in ("shl.b32", "shr.b32"):
             a, n = val(args[0]), val(args[1])
             put(d, (a << n) & M32 if op == "shl.b32" else (a >> n if n < 32 else 0))

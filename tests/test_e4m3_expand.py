@@ -127,3 +127,36 @@ def test_float_form_is_the_exact_product():
     assert np.array_equal(got.astype(np.float64), v)
     assert np.array_equal(np.signbit(got), codes >= 8)  # -0 for code 8
     assert np.array_equal(got.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), want)
+
+
+@triton.jit
+def _words_kernel(w_ptr, off_ptr, out_ptr, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    from k3nvfp4.kernels.moe_w4a8_details.kernels import expand_words
+
+    rows = tl.arange(0, R)
+    for k0 in range(0, K, BLOCK_K):
+        w = expand_words(w_ptr, off_ptr, rows, k0, K, WB, R, BLOCK_K, False)
+        tl.store(out_ptr + rows[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], w.to(tl.uint8, bitcast=True))
+
+
+@pytest.mark.parametrize("wb", [32, 16])
+def test_word_form_tile_is_the_reference(wb):
+    """The W4A8 kernels' GPU expansion routine (moe_w4a8_details/kernels.expand_words: int32 word
+    loads, one table per block broadcast to its words, the lookup, the bytes joined back into K
+    order) with its plain-Triton table and lookup (the same bits as the PTX, which
+    test_e4m3_prmt_ptx.py checks), in the interpreter: equal to expand_e2m1_to_e4m3_reference
+    over every code in blocks of every offset of the window (and random rows), 2 K steps."""
+    from k3nvfp4.kernels import formats
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = np.random.default_rng(1)
+    R, K = 16, 128
+    codes = g.integers(0, 16, (R, K), dtype=np.uint8)
+    codes[: R // 2] = (np.arange(K)[None, :] * 7 + np.arange(R // 2)[:, None]) % 16  # every code in every block
+    packed = torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4))
+    offs = np.resize(OFFSETS, R * K // wb).reshape(R, K // wb)  # every offset in several blocks
+    offs = torch.from_numpy(g.permuted(offs, axis=0).astype(np.int8))
+    out = torch.empty(R, K, dtype=torch.uint8, device=dev)
+    _words_kernel[(1,)](packed.to(dev), offs.to(dev), out, K, WB=wb, R=R, BLOCK_K=64)
+    want = expand_e2m1_to_e4m3_reference(formats.unpack_e2m1(packed), offs.to(torch.int32).repeat_interleave(wb, dim=1))
+    assert torch.equal(out.cpu(), want)

@@ -16,19 +16,20 @@ Why integers only: with Triton 3.8, booleans (tl.where masks, comparisons) kept 
 expansion that feeds tl.dot failed to compile for sm90 ("local_alloc element type bit width must be
 a multiple of 8"); the masks here are integers (arithmetic shifts of int32 give 0 / -1).
 
-The float form (the W4A8 mode's kernels use it): place the code's 3 magnitude bits at fp16
-mantissa/exponent bits 9..11 and its sign at bit 15. That fp16 is E2M1(code) x 2^-14 exactly:
-codes 0 and 1 land on fp16 subnormals (1 << 9 is 2^-15), codes 2..7 on normals with exponent
-field p. Times the per-block fp32 2^(14 + j) (e2m1_pow2_scale) it is E2M1(code) x 2^j, exact
-(a power-of-two product in fp32's normal range). Its cast to E4M3 is then exact too, so any
-correct cast works: the GPU's cvt, or the interpreter's integer one. On sm90 this takes about a
-third of the integer form's instructions per weight (docs/w4a8.md).
+The float form (the W4A8 mode's kernels use it under Triton's interpreter): place the code's 3
+magnitude bits at fp16 mantissa/exponent bits 9..11 and its sign at bit 15. That fp16 is
+E2M1(code) x 2^-14 exactly: codes 0 and 1 land on fp16 subnormals (1 << 9 is 2^-15), codes 2..7 on
+normals with exponent field p. Times the per-block fp32 2^(14 + j) (e2m1_pow2_scale) it is
+E2M1(code) x 2^j, exact (a power-of-two product in fp32's normal range). Its cast to E4M3 is then
+exact too, so any correct cast works: the GPU's cvt, or the interpreter's integer one.
 
-Cost of the integer form: the probe GEMM of kernels/offline/compile_w4a8.py spends about 30 thread
-instructions per weight in its hot loop (sm90, Triton 3.8). The FP8 tensor cores do about 4000 MACs
-per SM per clock, so with N tokens per MMA the issue budget is about N / 32 instructions per weight
-(8 at N = 256). docs/w4a8.md lists the cheaper formulation (a per-block 8-byte table and PRMT, 4
-weights per instruction) the mode's kernel should use; this routine is the exact reference it must match.
+The table + PRMT form (the mode's kernels use it on a GPU; below the reference routines): one
+8-byte table of E4M3 bytes per block, then per 32-bit word of 8 nibbles two PRMT lookups and two
+sign PRMTs, as inline PTX (E4M3_TABLE_PTX, E4M3_LOOKUP_PTX), with a plain-Triton twin of the same
+bits. GEMM1's sm90 decode loop: about 3.1 thread instructions per weight, against 8.8 for the
+float form and about 27 for the integer form (docs/w4a8.md, Triton 3.8). The FP8 tensor cores do
+about 4000 MACs per SM per clock, so with N tokens per MMA the issue budget is about N / 32
+instructions per weight (8 at N = 256).
 """
 
 from __future__ import annotations
@@ -103,3 +104,113 @@ def e2m1_times_pow2(codes, scale):
     h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
     return h.to(tl.float32) * scale
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU form: a per-block byte table and PRMT (inline PTX; the interpreter takes the float form).
+#
+# For one block with offset j the E4M3 bytes of E2M1(mag) x 2^j, mag = 0..7, are a table of 8
+# bytes in two registers (tlo: mags 0..3, thi: mags 4..7). With B = 8 j + 48 (the E4M3 byte of
+# 2^(j - 1)) and every entry normal (j >= -5) the table is linear in j, one multiply-add per word:
+#     [0, B, B + 8, B + 12 | B + 16, B + 20, B + 24, B + 28]
+#     tlo = j x 0x08080800 + 0x3C383000,  thi = j x 0x08080808 + 0x4C484440
+# (no byte carries for j in [-7, 6]: every entry of thi lies in [8, 124]). Below, E4M3 bytes 0..15
+# are the values k x 2^-9 (subnormals, then exponent field 1), so the subnormal entries are the
+# integers E2M1(mag) x 2^(j + 9):
+#     j = -6: tlo = 0x0C080400 (= 0x03020100 << 2), thi as the formula (all normal);
+#     j = -7: tlo = 0x06040200 (<< 1), thi as the formula (0x14100C08: 8, 12, 16, 20);
+#     j = -8: tlo = 0x03020100 (<< 0), thi = 0x0C080604 (the formula's 0x0C080400 | 0x0604).
+# So tlo = j < -5 ? 0x03020100 << (j + 8) : formula, and thi = formula | (j == -8 ? 0x0604 : 0),
+# with the conditions as arithmetic-shift masks (no predicates): 11 PTX instructions per block.
+#
+# Per 32-bit word w of 8 nibbles (nibble n = element n, bits 4n..4n+3, the packed byte order:
+# low nibble = even element), two outputs of 4 E4M3 bytes (lo: elements 0..3, hi: 4..7):
+#   - magnitudes: PRMT's default mode picks byte (s & 7) of {thi, tlo} for each selector nibble
+#     s of its low 16 bits, but s & 8 would replicate that byte's sign instead; so the selectors
+#     are the nibbles with the sign bits cleared (one AND for both halves, one shift for hi);
+#   - signs: PRMT's sign-replicate mode makes a byte 0xFF / 0x00 from the top bit of a source
+#     byte. Element 2i + 1's sign is the top bit of w's byte i, element 2i's that of (w << 4)'s
+#     byte i; selectors 0xD9C8 (elements 0..3) and 0xFBEA (4..7) over {w, w << 4};
+#   - one LOP3 per output: magnitude | (sign bytes & 0x80808080).
+# 9 PTX instructions per 8 weights; tests/test_e4m3_prmt_ptx.py runs these exact strings in
+# tests/ptx_emulator.py against expand_e2m1_to_e4m3_reference over every code in every nibble
+# position x every offset of the window.
+
+E4M3_TABLE_PTX = """{
+.reg .b32 nlo, slo, sh, m6, m8;
+mad.lo.u32 nlo, $2, 0x08080800, 0x3C383000;
+mad.lo.u32 $1, $2, 0x08080808, 0x4C484440;
+add.u32 sh, $2, 8;
+mov.b32 slo, 0x03020100;
+shl.b32 slo, slo, sh;
+add.u32 m6, $2, 5;
+shr.s32 m6, m6, 31;
+lop3.b32 $0, slo, nlo, m6, 0xe4;
+add.u32 m8, $2, 7;
+shr.s32 m8, m8, 31;
+lop3.b32 $1, $1, 0x0604, m8, 0xf8;
+}"""
+# lop3 0xe4: c ? a : b; 0xf8: a | (b & c)
+
+E4M3_LOOKUP_PTX = """{
+.reg .b32 m, mh, w4, slo, shi, vlo, vhi;
+and.b32 m, $2, 0x77777777;
+shl.b32 w4, $2, 4;
+prmt.b32 vlo, $3, $4, m;
+shr.b32 mh, m, 16;
+prmt.b32 vhi, $3, $4, mh;
+prmt.b32 slo, w4, $2, 0xD9C8;
+prmt.b32 shi, w4, $2, 0xFBEA;
+lop3.b32 $0, vlo, slo, 0x80808080, 0xf8;
+lop3.b32 $1, vhi, shi, 0x80808080, 0xf8;
+}"""
+
+_TABLE_PTX = tl.constexpr(E4M3_TABLE_PTX)
+_LOOKUP_PTX = tl.constexpr(E4M3_LOOKUP_PTX)
+
+
+@triton.jit
+def e4m3_block_tables(offset, USE_ASM: tl.constexpr):
+    """int32 offsets j in [-8, 6] (any shape, one per block) -> (tlo, thi) uint32 of that shape:
+    the E4M3 bytes of E2M1(mag) x 2^j for mag 0..3 (tlo, byte mag) and 4..7 (thi). USE_ASM: the
+    inline PTX above (pack 1, so the result does not depend on Triton's register order), else the
+    same arithmetic in plain Triton (the interpreter), bit for bit."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r", [offset], dtype=(tl.uint32, tl.uint32),
+                                         is_pure=True, pack=1)
+    else:
+        j = offset.to(tl.int32)  # int32 arithmetic: no product or sum here leaves its range
+        nlo = j * 0x08080800 + 0x3C383000
+        slo = 0x03020100 << tl.minimum(j + 8, 2)  # used only where j + 8 <= 2
+        m6 = (j + 5) >> 31  # -1 where j < -5 (arithmetic shift)
+        m8 = (j + 7) >> 31  # -1 where j == -8
+        thi = (j * 0x08080808 + 0x4C484440) | (m8 & 0x0604)
+        tlo = (slo & m6) | (nlo & (-1 - m6))
+        return tlo.to(tl.uint32, bitcast=True), thi.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _lookup_byte(w, t64, n: tl.constexpr):
+    """E4M3 byte of nibble n of w (plain Triton: PRMT's byte pick, then the sign)."""
+    s = ((w >> (4 * n)) & 7).to(tl.uint64)
+    mag = ((t64 >> (8 * s)) & 0xFF).to(tl.uint32)
+    return mag | (((w >> (4 * n + 3)) & 1) << 7)
+
+
+@triton.jit
+def expand_e2m1_words_e4m3(words, tlo, thi, USE_ASM: tl.constexpr):
+    """words int32 (any shape; 8 E2M1 nibbles each, nibble n = element n) and their blocks'
+    tables (e4m3_block_tables, same shape) -> (lo, hi) uint32: the E4M3 bytes of elements 0..3
+    (lo, byte n) and 4..7 (hi, byte n - 4). USE_ASM: the inline PTX above, one word per call;
+    else plain Triton with the same bits (the interpreter)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_LOOKUP_PTX, "=r,=r,r,r,r", [words, tlo, thi],
+                                         dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        w = words.to(tl.uint32, bitcast=True)
+        t64 = tlo.to(tl.uint64) | (thi.to(tl.uint64) << 32)
+        lo = (_lookup_byte(w, t64, 0) | (_lookup_byte(w, t64, 1) << 8) | (_lookup_byte(w, t64, 2) << 16)
+              | (_lookup_byte(w, t64, 3) << 24))
+        hi = (_lookup_byte(w, t64, 4) | (_lookup_byte(w, t64, 5) << 8) | (_lookup_byte(w, t64, 6) << 16)
+              | (_lookup_byte(w, t64, 7) << 24))
+        return lo, hi

@@ -1,5 +1,6 @@
 """Triton jit kernels of the Hopper W4A8 mode ("e4m3"): 4-bit weights expanded exactly to E4M3 in
-registers (moe_details/e4m3_expand.py, its float form), FP8 activations, ``tl.dot`` on E4M3 x E4M3
+registers (moe_details/e4m3_expand.py: its table + PRMT PTX on a GPU, its float form in the
+interpreter), FP8 activations, ``tl.dot`` on E4M3 x E4M3
 (FP8 wgmma ``.e4m3.e4m3`` on sm90), fp32 accumulators. docs/w4a8.md gives the numerics:
 
 - activations and the SiTU intermediate: E4M3 with one fp32 scale s = amax / 448 per token per 128
@@ -26,13 +27,17 @@ import triton
 import triton.language as tl
 
 from ..moe_details.activation import gated_act
-from ..moe_details.e4m3_expand import e2m1_pow2_scale, e2m1_times_pow2
+from ..interpreter import interpret_requested
+from ..moe_details.e4m3_expand import e2m1_pow2_scale, e2m1_times_pow2, e4m3_block_tables, expand_e2m1_words_e4m3
 from ..moe_details.routing_kernels import align_small
 from ..moe_details.skeleton import (accumulator, block_program, block_rows, combine_by_last_arrival, k_range,
                                     split_k_arrive, split_k_sum, zero_dropped_tokens)
 from ..moe_fp4_details.kernels import _f32_to_e4m3, _split_gate_up
 
 GROUP = 128  # activation / intermediate scale group (columns)
+# On a GPU the weights expand by e4m3_expand's inline PTX (per-block byte table + PRMT); Triton's
+# interpreter has no inline asm and takes the float form (the same bytes: both are exact).
+_USE_ASM = tl.constexpr(not interpret_requested())
 
 
 @triton.jit
@@ -87,19 +92,49 @@ def route_quant_kernel(
 
 
 @triton.jit
-def _expanded_weights(w_e, off_e, rows, k0, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """E4M3 weight tile [R, BLOCK_K] of one expert (pointers at the expert): nibbles uint8 [rows,
-    K/2] (low = even element) and int8 offsets per WB weights, expanded exactly (e4m3_expand's
-    float form: about 9 thread instructions per weight in GEMM1's sm90 loop against 27 for the
-    integer form, Triton 3.8)."""
-    packed = tl.load(w_e + rows[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, BLOCK_K))
+def _byte(x, i: tl.constexpr):
+    return ((x >> (8 * i)) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def expand_words(w_e, off_e, rows, k0, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    """E4M3 weight tile [R, BLOCK_K] (rows: int [R], K elements k0 .. k0 + BLOCK_K) of nibbles
+    uint8 [rows, K/2] (low = even element) and int8 offsets [rows, K/WB], expanded exactly by
+    e4m3_expand's table + PRMT form: one 8-byte table per block, then per 32-bit word of 8
+    nibbles two lookups (USE_ASM: inline PTX; else the same bits in plain Triton, so the
+    interpreter checks this routine's loads, broadcasts and byte order)."""
     off = tl.load(off_e + rows[:, None] * (K // WB) + (k0 // WB + tl.arange(0, BLOCK_K // WB))[None, :])
-    # the float form of e4m3_expand: one fp32 2^(14 + j) per block, broadcast over its weights;
-    # E2M1 bits in an fp16 x that factor is the product exactly, so the cast to E4M3 is exact
-    sc = e2m1_pow2_scale(off.to(tl.int32))
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, BLOCK_K // WB, WB)), (R, BLOCK_K))
-    return _f32_to_e4m3(e2m1_times_pow2(codes, sc))
+    words = tl.load(w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
+                    + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])  # 8 nibbles: element 8w + n
+    tlo, thi = e4m3_block_tables(off.to(tl.int32), USE_ASM)  # [R, BLOCK_K / WB]
+    tlo = tl.reshape(tl.broadcast_to(tlo[:, :, None], (R, BLOCK_K // WB, WB // 8)), (R, BLOCK_K // 8))
+    thi = tl.reshape(tl.broadcast_to(thi[:, :, None], (R, BLOCK_K // WB, WB // 8)), (R, BLOCK_K // 8))
+    lo, hi = expand_e2m1_words_e4m3(words, tlo, thi, USE_ASM)  # bytes of elements 0..3, 4..7
+    # x[..., a, b, c] = element 4a + 2b + c of the word: its flat order
+    x = tl.join(tl.join(tl.join(_byte(lo, 0), _byte(hi, 0)), tl.join(_byte(lo, 2), _byte(hi, 2))),
+                tl.join(tl.join(_byte(lo, 1), _byte(hi, 1)), tl.join(_byte(lo, 3), _byte(hi, 3))))
+    return tl.reshape(x, (R, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _expanded_weights(w_e, off_e, rows, k0, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """E4M3 weight tile [R, BLOCK_K] of one expert (pointers at the expert), expanded exactly.
+    GPU: expand_words with e4m3_expand's inline PTX (GEMM1's sm90 decode loop: 400 instructions
+    per warp per iteration, ~3.1 thread instructions per weight, against 1126 for the float form,
+    Triton 3.8); interpreter: e4m3_expand's float form. Both give the reference's bytes
+    (tests/test_e4m3_prmt_ptx.py, tests/test_e4m3_expand.py)."""
+    if _USE_ASM:
+        return expand_words(w_e, off_e, rows, k0, K, WB, R, BLOCK_K, True)
+    else:
+        off = tl.load(off_e + rows[:, None] * (K // WB) + (k0 // WB + tl.arange(0, BLOCK_K // WB))[None, :])
+        packed = tl.load(w_e + rows[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, BLOCK_K))
+        # the float form of e4m3_expand: one fp32 2^(14 + j) per block, broadcast over its weights;
+        # E2M1 bits in an fp16 x that factor is the product exactly, so the cast to E4M3 is exact
+        sc = e2m1_pow2_scale(off.to(tl.int32))
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, BLOCK_K // WB, WB)), (R, BLOCK_K))
+        return _f32_to_e4m3(e2m1_times_pow2(codes, sc))
 
 
 @triton.jit
