@@ -202,8 +202,7 @@ def last_arrival_entries(statics: W4A8Statics) -> tuple[list[dict], list[str]]:
         if not (kind == "gemm2" or cfg.split_k1 > 1):
             continue
         result = statics.cache.get(key, {})
-        label = (f"e4m3 sm90 {kind} {cfg.tile(kind).label()} sk{cfg.split_k1 if kind == 'gemm1' else cfg.split_k2} "
-                 f"wb{job[6]}")
+        label = f"e4m3 sm90 {cfg.tile(kind).label()} sk{cfg.split_k1 if kind == 'gemm1' else cfg.split_k2} wb{job[6]}"
         if "ptx" not in result:
             errors.append(f"{label}: no PTX ({result.get('error', 'not compiled')})")
             continue
