@@ -46,6 +46,12 @@ Writes <out-dir>/moe-<device>.json, .md (table) and .png. Run from the repo root
 On a Blackwell GPU (sm100/sm103) each point also times the FP4 tensor-core modes
 (act_quant_nvfp4 / act_quant_mxfp8: fused_moe_nvfp4 on each mode's weights from random MXFP4
 weights, checked against fused_moe_fp4_reference first; x_vs_w4a16 = W4A16 time / mode time).
+On a Hopper GPU (sm90) each point also times the W4A8 mode (act_quant_e4m3: weights expanded to
+E4M3, FP8 activations, FP8 wgmma; docs/w4a8.md) on the same random MXFP4 experts, checked first
+against fused_moe_w4a8_reference (the same quantization in plain torch, itself tested against the
+float64 oracle tests/w4a8_oracle.py), with x_vs_w4a16 = W4A16 time / e4m3 time and x_vs_marlin =
+marlin time / e4m3 time in the same run. Shapes whose H or I is not a multiple of 64 (the tiny
+CPU shapes) record why it did not run.
 """
 
 from __future__ import annotations
@@ -351,6 +357,32 @@ def fp4_mode_arms(torch, shape, device, seed: int) -> dict:
     return {mode: MODES[mode].prepare(t) for mode in ("nvfp4", "mxfp8")}
 
 
+def e4m3_mode_arm(torch, shape, device, seed: int):
+    """(W4A8MoEWeights, None) for the Hopper W4A8 mode from random MXFP4 experts, or (None, the
+    reason it cannot run on this shape)."""
+    from k3nvfp4.kernels.modes import MODES
+
+    if shape.H % 64 or shape.I % 64:
+        return None, f"not available: the e4m3 mode needs H and I multiples of 64 (H = {shape.H}, I = {shape.I})"
+    return MODES["e4m3"].prepare(mxfp4_bench_weights(torch, shape, device, seed)), None
+
+
+def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph: bool) -> dict:
+    """One e4m3 point: checked against fused_moe_w4a8_reference (normwise <= 1e-2) before timing."""
+    from k3nvfp4.kernels.moe_w4a8_reference import fused_moe_w4a8_reference
+    from k3nvfp4.kernels.tune import normwise_error
+
+    out = torch.full_like(x, float("nan"))
+    run = lambda: fused_moe_nvfp4(x, weights, tw, ids, out=out)  # noqa: E731 - the weights choose the mode
+    run()
+    err = normwise_error(out, fused_moe_w4a8_reference(x, weights, tw, ids).float())
+    if not err <= 1e-2:
+        return {"error": f"output differs from fused_moe_w4a8_reference: normwise {err:.3g} > 1e-2 (not timed)"}
+    t, n, t_eager, mode, why = time_call(torch, run, out, timer, use_graph=not no_graph, what="act_quant=e4m3")
+    return {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "normwise_vs_reference": err,
+            **({"graph_failure": why} if why else {})}
+
+
 FLASHINFER_TOL = 2e-2  # SM90 W4A16: bf16, normwise, as marlin's (FlashInfer also rounds the GEMM1 output to bf16)
 # SM100 NVFP4 x NVFP4 (W4A4) against the W4A16 reference: the activations' quantization error
 # (~0.1 normwise here); a wrong activation gives errors of order 1.
@@ -475,6 +507,19 @@ def markdown_table(result: dict) -> str:
                         for p in result["points"] if isinstance(p.get(key), str)})
         if notes:
             lines += [""] + [f"{peer}: {n}" for n in notes]
+    e4 = [p for p in result["points"] if isinstance(p.get("act_quant_e4m3"), dict)]
+    if e4:
+        lines += ["", "W4A8 (`K3NVFP4_ACT_QUANT=e4m3`, Hopper) in the same run:", "",
+                  "| shape | M | e4m3 (us) | W4A16 us / e4m3 us | marlin us / e4m3 us | normwise vs reference |",
+                  "|---|---|---|---|---|---|"]
+        for p in e4:
+            r = p["act_quant_e4m3"]
+            if "error" in r:
+                lines.append(f"| {p['shape']} | {p['M']} | error: {r['error'][:80]} | | | |")
+                continue
+            lines.append(f"| {p['shape']} | {p['M']} | {r['time_us']:.1f} | x{r['x_vs_w4a16']:.2f} | "
+                         f"{('x%.2f' % r['x_vs_marlin']) if 'x_vs_marlin' in r else '-'} | "
+                         f"{r['normwise_vs_reference']:.2e} |")
     return "\n".join(lines)
 
 
@@ -626,6 +671,11 @@ def main(argv=None) -> int:
         fp4_weights = None
         if not cpu and capability(device)[0] == 10:
             fp4_weights = fp4_mode_arms(torch, shape, device, args.seed)
+        # The Hopper W4A8 mode, timed where it is meant to run (sm90) beside W4A16 and marlin.
+        e4m3_weights, e4m3_skip = None, "not available: the e4m3 mode is timed on Hopper (sm90) only"
+        if not cpu and capability(device)[0] == 9:
+            e4m3_weights, e4m3_skip = e4m3_mode_arm(torch, shape, device, args.seed)
+        info["e4m3"] = e4m3_skip or "ok"
         marlin, marlin_skip = None, result["other_implementations"]["sglang_marlin_nvfp4"]
         if marlin_lib is not None:
             marlin, marlin_skip = marlin_arm(torch, marlin_lib, weights, shape, x, tw, ids, ref, info)
@@ -724,6 +774,21 @@ def main(argv=None) -> int:
                         else:
                             r["x_vs_w4a16"] = ours_res["time_us"] / r["time_us"]
                         point[f"act_quant_{act_quant}"] = r
+                if e4m3_weights is None:
+                    point["act_quant_e4m3"] = e4m3_skip
+                else:
+                    try:
+                        r = time_e4m3_mode(torch, fused_moe_nvfp4, e4m3_weights, x, tw, ids, timer, args.no_graph)
+                    except Exception as e:  # reported per point
+                        r = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+                    if "error" in r:
+                        failed = True
+                        result["errors"].append(f"{name} M={M}: act_quant=e4m3: {r['error']}")
+                    else:
+                        r["x_vs_w4a16"] = ours_res["time_us"] / r["time_us"]
+                        if isinstance(point.get("sglang_marlin_nvfp4"), dict):
+                            r["x_vs_marlin"] = point["sglang_marlin_nvfp4"]["time_us"] / r["time_us"]
+                    point["act_quant_e4m3"] = r
                 mres = point["sglang_marlin_nvfp4"]
                 print(f"   M={M:>6} ours {t * 1e6:9.1f} us ({mode}, eager {t_eager * 1e6:.1f}) "
                       f"{ours_res['GBps']:7.0f} GB/s {ours_res['pct_bw']:5.1f}% bw {ours_res['TFLOPs']:6.1f} TFLOP/s"

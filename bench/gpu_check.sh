@@ -14,7 +14,8 @@
 #   5. marlin_lib  SGLang's marlin MoE library (bench/peers/marlin, libk3marlin.so, built on the CPU machine
 #                with sglang + nvcc and CARRIED here: carry build/peers/marlin/lib): its build info (nvcc
 #                version, arch), CUDA driver/runtime, exports, argument checks. --cpu-rehearsal builds it first.
-#   5b. bench    bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR), marlin arm included, and
+#   5b. bench    bench/bench_moe.py with the configs just tuned (K3NVFP4_MOE_CONFIG_DIR), marlin arm included, the
+#                Hopper W4A8 mode (e4m3: checked against its reference, timed beside W4A16 and marlin), and
 #                FlashInfer's SiTU MoE where it runs (SM90 W4A16 on ep16; not available with the reason otherwise:
 #                not installed, its MoE module not prebuilt - no JIT build inside this step's limit)
 #   5c. graph    bench/bench_graph.py: launches per call, CUDA-graph capture + replay at M = 1..64 on TP16/EP16,
@@ -142,7 +143,13 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
                      "marlin_us": fig(m["time_us"], 1) if isinstance(m, dict) else None,
                      "speedup_vs_marlin": fig(pt.get("x_vs_marlin"), 2),
                      "flashinfer_us": fig(f["time_us"], 1) if isinstance(f, dict) else None,
-                     "speedup_vs_flashinfer": fig(pt.get("x_vs_flashinfer"), 2)})
+                     "speedup_vs_flashinfer": fig(pt.get("x_vs_flashinfer"), 2),
+                     # the Hopper W4A8 mode (e4m3) in the same run: its time, W4A16 / e4m3, marlin / e4m3
+                     "e4m3_us": fig(e4["time_us"], 1) if isinstance(e4 := pt.get("act_quant_e4m3"), dict)
+                     and "time_us" in e4 else None,
+                     "e4m3_error": e4.get("error") if isinstance(e4, dict) else e4,
+                     "w4a16_over_e4m3": fig(e4.get("x_vs_w4a16"), 2) if isinstance(e4, dict) else None,
+                     "marlin_over_e4m3": fig(e4.get("x_vs_marlin"), 2) if isinstance(e4, dict) else None})
 gp = os.path.join(out, "graph.json")
 if os.path.exists(gp):
     g = json.load(open(gp))

@@ -3,11 +3,11 @@
 They hold the project's performance claims to what was measured. They are not correctness tests,
 and they break on any compiler update by design, so they run here and not in `make test`:
 
-- **stale tables**: every shipped W4A16 GEMM compiled today against its row of
+- **stale tables**: every shipped W4A16 and e4m3 GEMM compiled today against its row of
   `kernels/cost_table.py` (the heuristic's input), and the table's FP4 sections re-measured in
   full against their committed rows;
 - **moved rows**: every prediction of this run (our rows, both FP4 modes' MMA rows, the B200 rows,
-  the peers' rows where built) against the committed report (bench/results/perf-model.json),
+  the Hopper W4A8 (e4m3) rows, the peers' rows where built) against the committed report (bench/results/perf-model.json),
   row by row, naming the row and the fields that moved;
 - **the dequant's opcode counts** (the H200 decode rows, M = 1 on TP16 / EP16, both checkpoint
   formats): exactly 4 bf16x2 scale products per word of 8 weights, 5 rotations per word plus at
@@ -73,6 +73,38 @@ def stale_tile_rows(rows: list[dict]) -> list[str]:
                 out.append(f"{where}: {k['ctas_per_sm']} CTAs/SM < the table's {modelled}")
             if measured > 1.05 * table or (kind == "gemm1" and measured < 0.95 * table):
                 out.append(f"{where}: loop {measured} instructions vs table {table}")
+    return out
+
+
+def stale_w4a8_rows(rows: list[dict]) -> list[str]:
+    """Shipped e4m3 GEMMs (the report's "e4m3" rows) whose compile today disagrees with their
+    cost_table entry ("w4a8 e4m3/<block>", measured with split-K 2): shared memory within 1 KiB,
+    at least the CTAs per SM the model assumed, the loop within 5 %."""
+    from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.costs import tile_cost
+    from k3nvfp4.kernels.moe_w4a8_details.config import COST_ARCH, W4A8Config
+
+    out = []
+    for r in rows:
+        if "kernels" not in r:
+            continue
+        cfg = W4A8Config(**{k: v for k, v in r["config"].items() if k != "label"})
+        wb = {"nvfp4": 16, "mxfp4": 32}[r["checkpoint"]]
+        for k, kind in zip(r["kernels"], ("gemm1", "gemm2")):
+            tile = cfg.tile(kind)
+            where = f"H200 e4m3 {r['checkpoint']} {r['shard']} M={r['M']} {tile.label()}"
+            cost = tile_cost(tile, COST_ARCH, W4A8Config.cost_mode(wb))
+            if cost is None:
+                out.append(f"{where}: not in the table")
+                continue
+            modelled = pm.occupancy(pm.H200, cost.registers, 32 * cost.num_warps, cost.shared_bytes)[0]
+            if k["shared_bytes"] > cost.shared_bytes + 1024:
+                out.append(f"{where}: shared {k['shared_bytes']} B > table {cost.shared_bytes} + 1024")
+            if k["ctas_per_sm"] < modelled:
+                out.append(f"{where}: {k['ctas_per_sm']} CTAs/SM < the table's {modelled}")
+            if abs(k["instructions_per_iteration"] - cost.instructions_per_iteration) > 0.05 * cost.instructions_per_iteration:
+                out.append(f"{where}: loop {k['instructions_per_iteration']} instructions vs table "
+                           f"{cost.instructions_per_iteration}")
     return out
 
 
@@ -145,7 +177,8 @@ def _key(row: dict) -> tuple:
 def _section_rows(result: dict) -> dict[str, list[dict]]:
     return {"rows": result.get("rows", []), "fp4_modes": result.get("fp4_modes", []),
             "b200.fp4": result.get("b200", {}).get("fp4", []), "b200.w4a16": result.get("b200", {}).get("w4a16", []),
-            "marlin": result.get("marlin", {}).get("rows", []), "flashinfer": result.get("flashinfer", {}).get("rows", [])}
+            "marlin": result.get("marlin", {}).get("rows", []), "flashinfer": result.get("flashinfer", {}).get("rows", []),
+            "e4m3": result.get("e4m3", {}).get("rows", [])}
 
 
 def _fields(row: dict) -> dict:
@@ -231,6 +264,7 @@ def run_checks(result: dict, committed_path: pathlib.Path = COMMITTED) -> list[s
     """Every finding of --check, one line each (empty: nothing moved, nothing stale)."""
     findings = [f"stale W4A16 tile table: {x}" for x in stale_tile_rows(result.get("rows", []))]
     findings += [f"dequant opcodes: {x}" for x in opcode_findings(result.get("rows", []))]
+    findings += [f"stale e4m3 tile table: {x}" for x in stale_w4a8_rows(result.get("e4m3", {}).get("rows", []))]
     if result.get("marlin", {}).get("available"):
         findings += marlin_library_findings()
     if result.get("flashinfer", {}).get("available"):

@@ -168,6 +168,16 @@ def _measure_job(job: tuple, ptx_dir: str | None = None) -> dict:
 LAST_ARRIVAL_BUFFER = {"gemm1": "part_ptr", "gemm2": "buf_ptr"}  # the buffer each last-arrival sum goes through
 
 
+def _any_job(job: tuple, ptx_dir: str | None = None) -> dict:
+    """A W4A16 job (_measure_job) or an e4m3 one (w4a8_rows.measure_job: its tuple starts "e4m3")."""
+    if job[0] == "e4m3":
+        sys.path.insert(0, str(REPO / "bench"))
+        import w4a8_rows
+
+        return w4a8_rows.measure_job(job, ptx_dir)
+    return _measure_job(job, ptx_dir)
+
+
 def _write_ptx(compiled, kind: str, ptx_dir: str) -> dict:
     """Write a compiled kernel's PTX as <ptx_dir>/<hash>.ptx; returns its index entry: hash,
     file, the PTX parameter names (Triton's signature without constexprs) and the buffer
@@ -227,7 +237,7 @@ def fp4_last_arrival_jobs() -> dict:
     return jobs
 
 
-def last_arrival_index(statics: "Statics", fp4_jobs: dict, fp4_results: list[dict]) -> dict:
+def last_arrival_index(statics: "Statics", fp4_jobs: dict, fp4_results: list[dict], w4a8=None) -> dict:
     """The index of --ptx-dir: one entry per distinct compiled kernel (by Triton's hash) with
     the rows it serves; errors of compiles that wrote no PTX."""
     entries: dict = {}
@@ -253,6 +263,13 @@ def last_arrival_index(statics: "Statics", fp4_jobs: dict, fp4_results: list[dic
         e = entries.setdefault(result["hash"], {**result, "family": job[1], "rows": [],
                                                 "label": f"{job[1]} sm100 {job[0]} {job[2].label()}"})
         e["rows"] += rows
+    if w4a8 is not None:
+        import w4a8_rows
+
+        e4m3, e4m3_errors = w4a8_rows.last_arrival_entries(w4a8)
+        errors += e4m3_errors
+        for e in e4m3:
+            entries.setdefault(e["hash"], e)
     return {"kernels": sorted(entries.values(), key=lambda e: e["label"]), "errors": errors}
 
 
@@ -293,17 +310,23 @@ class Statics:
             kind, cfg, arch = job[0], job[1], job[5]
             self.errors.append(f"sm_{arch} {kind} {cfg.gemm(kind).label()}: {result['error']}")
 
-    def prefetch(self, jobs: dict, workers: int | None = None) -> None:
+    def prefetch(self, jobs: dict, workers: int | None = None, w4a8=None, w4a8_jobs: dict | None = None) -> None:
         """Compile and measure ``jobs`` (key -> job, as a planning Statics collected them) in
-        ``workers`` processes (default: one per CPU). Each compile is single-threaded: Triton's
-        passes, ptxas, cuobjdump and nvdisasm one after the other, so on two cores two at a time
-        halve the report's time."""
+        ``workers`` processes (default: one per CPU), and in the same pool the e4m3 mode's
+        ``w4a8_jobs`` into ``w4a8`` (a w4a8_rows.W4A8Statics). Each compile is single-threaded:
+        Triton's passes, ptxas, cuobjdump and nvdisasm one after the other, so on two cores two at
+        a time halve the report's time."""
         import functools
 
         todo = {k: j for k, j in jobs.items() if k not in self.cache}
-        results = _pool_map(functools.partial(_measure_job, ptx_dir=self.ptx_dir), list(todo.values()), workers)
-        for (k, j), result in zip(todo.items(), results):
+        todo8 = {k: j for k, j in (w4a8_jobs or {}).items() if w4a8 is not None and k not in w4a8.cache}
+        # the slower e4m3 compiles first, so that the pool's last tasks are short ones
+        results = _pool_map(functools.partial(_any_job, ptx_dir=self.ptx_dir),
+                            list(todo8.values()) + list(todo.values()), workers)
+        for (k, j), result in zip(todo.items(), results[len(todo8):]):
             self._store(k, j, result)
+        for k, result in zip(todo8, results[:len(todo8)]):
+            w4a8.store(k, result)
 
 
 CHECKPOINTS = ("nvfp4", "mxfp4")  # the cast checkpoint (E5M3_16 layout), the MXFP4 release (E8M0_32)
@@ -495,6 +518,10 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['kernel']} | {r['tcgen05_mma']} | {', '.join(r['kinds'])} | {', '.join(r['block_scale'])} | "
                          f"{r['wgmma']} / {r['mma_sync']} | {r['registers']} | {r['local_bytes']} | "
                          f"{'yes' if r['native'] else 'NO'} |")
+    if result.get("e4m3"):
+        import w4a8_rows
+
+        lines += ["", *w4a8_rows.markdown(result)]
     for sec in ("marlin", "flashinfer"):
         if not result[sec]["available"]:
             lines.append(f"\n- {sec}: not available: {result[sec]['reason'][:300]}")
@@ -627,7 +654,16 @@ def main(argv=None) -> int:
     plan = Statics(planning=True)  # which compiles the rows need, then all of them in parallel
     for d, shards, ckpt in passes:
         our_rows(d, shards, m_list, plan, heuristic, ckpt)
-    statics.prefetch(plan.jobs, args.workers)
+    w4a8 = None  # the Hopper W4A8 (e4m3) rows: H200, every shard and M of the W4A16 rows, both checkpoints
+    if "H200" in devices and not args.baseline:
+        sys.path.insert(0, str(REPO / "bench"))
+        import w4a8_rows
+
+        w4a8_shards = args.shards.split(",") if args.shards else DEVICE_SHARDS["H200"]
+        w4a8_plan, w4a8 = w4a8_rows.W4A8Statics(planning=True), w4a8_rows.W4A8Statics()
+        for ckpt in CHECKPOINTS:
+            w4a8_rows.rows(w4a8_shards, m_list, w4a8_plan, ckpt)
+    statics.prefetch(plan.jobs, args.workers, w4a8, w4a8_plan.jobs if w4a8 is not None else None)
     fp4_ptx = None
     if args.ptx_dir and "B200" in devices and not args.baseline:
         import functools
@@ -654,6 +690,11 @@ def main(argv=None) -> int:
         "errors": statics.errors,
     }
     result["floor"] = floor_rows(result)
+    if w4a8 is not None:
+        result["e4m3"] = {"rows": [r for ckpt in CHECKPOINTS for r in w4a8_rows.rows(w4a8_shards, m_list, w4a8, ckpt)]}
+        w4a8_rows.compare(result)
+        result["e4m3"]["targets"] = w4a8_rows.targets(result)
+        statics.errors += w4a8.errors
     if "B200" in devices and not args.baseline:
         result["fp4_modes"] = fp4_mode_rows(100)
         sys.path.insert(0, str(REPO / "bench"))
@@ -663,7 +704,7 @@ def main(argv=None) -> int:
                           "flashinfer_published_tp8_us": b200.FLASHINFER_B200_TP8_US,
                           "before_commit": b200.BEFORE_COMMIT}
     if args.ptx_dir:
-        index = last_arrival_index(statics, *(fp4_ptx or ({}, [])))
+        index = last_arrival_index(statics, *(fp4_ptx or ({}, [])), w4a8=w4a8)
         statics.errors += index["errors"]
         write_json_atomic(pathlib.Path(args.ptx_dir) / "index.json", index, indent=1)
         result["last_arrival_kernels"] = len(index["kernels"])
@@ -677,7 +718,9 @@ def main(argv=None) -> int:
         print("updated bench/README.md")
     fp4_ok = (all(r.get("native") for r in result.get("fp4_modes", []))
               and all(r.get("ok") for r in result.get("b200", {}).get("fp4", [])))
-    failed = bool(statics.errors or not fp4_ok or not all(r.get("ok") for r in rows))
+    e4m3_ok = all(r.get("ok") or r.get("error", "").startswith("not runnable")
+                  for r in result.get("e4m3", {}).get("rows", []))
+    failed = bool(statics.errors or not fp4_ok or not e4m3_ok or not all(r.get("ok") for r in rows))
     if args.check:
         sys.path.insert(0, str(REPO / "bench"))
         import report_check

@@ -2,7 +2,7 @@
 (the schema and what a row measures: offline/costs.py).
 
 Command: python -P -m k3nvfp4.kernels.offline.costs --write
-Sections measured on 2026-12-02 (GENERATED gives each section's date).
+Sections measured on 2026-12-02, 2026-12-05 (GENERATED gives each section's date).
 """
 
 COMMAND = "python -P -m k3nvfp4.kernels.offline.costs --write"
@@ -14,6 +14,8 @@ GENERATED: dict[tuple[str, int, str], str] = {
     ('3.6', 100, 'w4a16 e8m0/32'): '2026-12-02',
     ('3.8', 90, 'w4a16 e5m3/16'): '2026-12-02',
     ('3.8', 90, 'w4a16 e8m0/32'): '2026-12-02',
+    ('3.8', 90, 'w4a8 e4m3/16'): '2026-12-05',
+    ('3.8', 90, 'w4a8 e4m3/32'): '2026-12-05',
     ('3.8', 100, 'w4a16 e5m3/16'): '2026-12-02',
     ('3.8', 100, 'w4a16 e8m0/32'): '2026-12-02',
     ('3.8', 100, 'w4a4 nvfp4'): '2026-12-02',
@@ -279,6 +281,48 @@ COSTS: dict[tuple[str, int, str], dict[str, tuple[int, int, int, int]]] = {
         'gemm2 bm64 swap bn128 bk64 w2 s3': (551, 255, 41472, 128),
         'gemm2 bm128 noswap bn256 bk128 w8 s3': (454, 255, 198656, 8),
         'gemm2 bm128 noswap bn128 bk128 w8 s3': (246, 206, 148480, 0),
+    },
+    ('3.8', 90, 'w4a8 e4m3/16'): {
+        'gemm1 bm16 swap bn128 bk64 w4 s3': (1174, 167, 20480, 0),
+        'gemm1 bm32 swap bn128 bk64 w4 s3': (1210, 255, 23552, 0),
+        'gemm1 bm64 swap bn128 bk64 w8 s3': (708, 254, 29696, 0),
+        'gemm2 bm16 swap bn128 bk128 w4 s3': (1191, 159, 23552, 0),
+        'gemm2 bm16 swap bn128 bk64 w4 s3': (643, 95, 11776, 0),
+        'gemm2 bm16 swap bn64 bk128 w4 s3': (618, 93, 14848, 0),
+        'gemm2 bm16 swap bn64 bk64 w4 s3': (372, 63, 7424, 0),
+        'gemm2 bm32 swap bn128 bk128 w4 s3': (1223, 243, 29696, 0),
+        'gemm2 bm32 swap bn128 bk64 w4 s3': (653, 160, 16384, 0),
+        'gemm2 bm32 swap bn64 bk128 w4 s3': (640, 123, 20992, 0),
+        'gemm2 bm32 swap bn64 bk64 w4 s3': (386, 96, 10496, 0),
+        'gemm2 bm64 swap bn128 bk128 w8 s3': (662, 220, 41984, 0),
+        'gemm2 bm64 swap bn128 bk128 w8 s3 atomic': (662, 220, 41984, 0),
+        'gemm2 bm64 swap bn128 bk64 w8 s3': (401, 164, 20992, 0),
+        'gemm2 bm64 swap bn128 bk64 w8 s3 atomic': (401, 163, 20992, 0),
+        'gemm2 bm64 swap bn64 bk128 w8 s3': (637, 159, 33280, 0),
+        'gemm2 bm64 swap bn64 bk128 w8 s3 atomic': (637, 158, 33280, 0),
+        'gemm2 bm64 swap bn64 bk64 w8 s3': (377, 96, 16640, 0),
+        'gemm2 bm64 swap bn64 bk64 w8 s3 atomic': (377, 94, 16640, 0),
+    },
+    ('3.8', 90, 'w4a8 e4m3/32'): {
+        'gemm1 bm16 swap bn128 bk64 w4 s3': (1123, 167, 19968, 0),
+        'gemm1 bm32 swap bn128 bk64 w4 s3': (1160, 255, 23040, 0),
+        'gemm1 bm64 swap bn128 bk64 w8 s3': (689, 250, 29184, 0),
+        'gemm2 bm16 swap bn128 bk128 w4 s3': (1102, 168, 23040, 0),
+        'gemm2 bm16 swap bn128 bk64 w4 s3': (598, 125, 11520, 0),
+        'gemm2 bm16 swap bn64 bk128 w4 s3': (604, 96, 14592, 0),
+        'gemm2 bm16 swap bn64 bk64 w4 s3': (348, 64, 7296, 0),
+        'gemm2 bm32 swap bn128 bk128 w4 s3': (1150, 168, 29184, 0),
+        'gemm2 bm32 swap bn128 bk64 w4 s3': (629, 162, 16384, 0),
+        'gemm2 bm32 swap bn64 bk128 w4 s3': (631, 125, 20736, 0),
+        'gemm2 bm32 swap bn64 bk64 w4 s3': (368, 96, 10368, 0),
+        'gemm2 bm64 swap bn128 bk128 w8 s3': (646, 203, 41472, 0),
+        'gemm2 bm64 swap bn128 bk128 w8 s3 atomic': (646, 200, 41472, 0),
+        'gemm2 bm64 swap bn128 bk64 w8 s3': (380, 168, 20736, 0),
+        'gemm2 bm64 swap bn128 bk64 w8 s3 atomic': (380, 168, 20736, 0),
+        'gemm2 bm64 swap bn64 bk128 w8 s3': (608, 125, 33024, 0),
+        'gemm2 bm64 swap bn64 bk128 w8 s3 atomic': (610, 125, 33024, 0),
+        'gemm2 bm64 swap bn64 bk64 w8 s3': (361, 101, 16384, 0),
+        'gemm2 bm64 swap bn64 bk64 w8 s3 atomic': (361, 105, 16384, 0),
     },
     ('3.8', 100, 'w4a16 e5m3/16'): {
         'gemm1 bm16 swap bn32 bk256 w2 s3': (791, 254, 51200, 0),

@@ -16,10 +16,10 @@ by each token's last arrival). 3 launches; above 1024 pairs the routing takes 3 
 memset and the quantization one launch. No host synchronisation (CUDA-graph capturable).
 
 Where it runs: sm89 / sm90 and newer (FP8 ``tl.dot``; on sm90 ``wgmma ... e4m3.e4m3``,
-tests/test_w4a8_compile.py), or Triton's interpreter. The weight expansion is the exact float
-form of moe_details/e4m3_expand.py (about 9 thread instructions per weight in GEMM1's sm90 loop):
-correct, not yet the PRMT form docs/w4a8.md describes, and no GPU speed is measured, so this mode
-is selectable, not the default.
+the static report's e4m3 rows, tests/test_launch_configs.py), or Triton's interpreter. On a GPU the weights are
+expanded by moe_details/e4m3_expand.py's per-block table + PRMT lookup (inline PTX, about 3 thread
+instructions per weight in GEMM1's sm90 loop), in the interpreter by its exact float form. No GPU
+speed is measured, so this mode is selectable, not the default.
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def run_w4a8(
     if M == 0:
         empty = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
         return W4A8Run(out, empty, empty.float(), empty, empty.float(), None, None)
-    cfg = config or W4A8Config.heuristic(E, H, I, k, M, num_global_experts=num_global_experts)
+    cfg = config or W4A8Config.heuristic(E, H, I, k, M, num_global_experts=num_global_experts,
+                                         weight_block=weights.block)
     cfg.check(H, I)
     ng_h, ng_i = -(-H // ACT_GROUP), -(-I // ACT_GROUP)
     aq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=device)

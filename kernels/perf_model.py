@@ -56,6 +56,7 @@ class Device:
     hbm_bytes_per_s: float  # spec
     hbm_copy_bytes_per_s: float  # a device-to-device copy measures about this (the achievable stream)
     mma_bf16_flops: float  # dense bf16 tensor-core peak
+    mma_fp8_flops: float = 0.0  # dense FP8 (E4M3 x E4M3) tensor-core peak; 0: no FP8 MMA
     shared_per_block: int = 232448  # 227 KiB opt-in
     shared_per_sm: int = 233472  # 228 KiB
     registers_per_sm: int = 65536
@@ -74,14 +75,16 @@ class Device:
         return f"sm_{self.arch}"
 
 
-# H200 SXM: 132 SMs, 1.98 GHz boost, 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 (NVIDIA H200 datasheet);
+# H200 SXM: 132 SMs, 1.98 GHz boost, 4.8 TB/s HBM3e, 989 TFLOP/s dense bf16 and 1979 TFLOP/s dense FP8
+# (NVIDIA H200 datasheet, the same tensor cores as the H100 SXM's; docs/facts.md#hardware);
 # ~4.3 TB/s measured device copy (docs/facts.md#hardware, the project's H200); 227 KiB shared per block, 228 KiB per
 # SM, 64K registers and 2048 threads per SM (CUDA programming guide, compute capability 9.0).
-H200 = Device("H200", 90, 132, 1.98e9, 4.8e12, 4.3e12, 989e12)
-# B200: 148 SMs, ~1.9 GHz, 8 TB/s HBM3e, 2.25 PFLOP/s dense bf16 (NVIDIA DGX B200 datasheet, per GPU);
+H200 = Device("H200", 90, 132, 1.98e9, 4.8e12, 4.3e12, 989e12, 1979e12)
+# B200: 148 SMs, ~1.9 GHz, 8 TB/s HBM3e, 2.25 PFLOP/s dense bf16, 4.5 PFLOP/s dense FP8 (NVIDIA DGX B200 datasheet,
+# per GPU);
 # copy bandwidth not measured by this project: 0.9 x spec, the H200's measured ratio; limits of
 # compute capability 10.0 (CUDA programming guide: same shared memory and register file as 9.0).
-B200 = Device("B200", 100, 148, 1.9e9, 8.0e12, 7.2e12, 2.25e15)
+B200 = Device("B200", 100, 148, 1.9e9, 8.0e12, 7.2e12, 2.25e15, 4.5e15)
 DEVICES = {"H200": H200, "B200": B200}
 
 
@@ -289,6 +292,7 @@ def predict_kernel(
     dependent_round_trips: int = 0,
     launches: int = 1,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+    mma_peak_flops: float | None = None,
 ) -> KernelPrediction:
     """Time of one weight-streaming kernel = launches x launch_s + exposed latency (first HBM
     latency + dependent L2 round trips of the epilogue) + max(bytes, issue, MMA) where
@@ -297,7 +301,8 @@ def predict_kernel(
       busiest SM's share at its own bytes in flight / latency (wave quantization);
     - issue: the busiest SM's warp-instructions at ``schedulers_per_sm`` per clock, and no warp
       faster than one instruction per clock;
-    - MMA: mma_flops at mma_efficiency x the dense bf16 peak.
+    - MMA: mma_flops at mma_efficiency x the dense peak of the MMA the kernel runs
+      (mma_peak_flops; None: the device's bf16 peak, Device.mma_bf16_flops).
 
     programs_active: expected programs that do work (the rest exit at once); one program runs at
     most iterations_per_program hot-loop iterations of weights_per_iteration weights (all
@@ -332,7 +337,7 @@ def predict_kernel(
     if per_sm_programs and active:
         sm_bytes = per_sm_programs * (weight_bytes / active)
         t_bytes = max(t_bytes, sm_bytes * a.hbm_latency_s / (resident_per_sm * in_flight_cta))
-    t_mma = mma_flops / (a.mma_efficiency * device.mma_bf16_flops)
+    t_mma = mma_flops / (a.mma_efficiency * (mma_peak_flops or device.mma_bf16_flops))
     terms = {"bytes": t_bytes, "issue": t_issue, "mma": t_mma}
     bound = max(terms, key=lambda k: terms[k])
     exposed = (a.hbm_latency_s + dependent_round_trips * a.l2_round_trip_s) if active else 0.0

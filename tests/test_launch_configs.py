@@ -1,7 +1,9 @@
 """Every launch config the heuristic ships for the K3 shards, for both checkpoint formats (the
 cast's NVFP4 and the MXFP4 release: the layout's two scale formats), compiles, launches (shared
 memory, registers), spills nothing and has no I2F/F2F in its hot loop, compiled offline for sm90
-(H200: TP8/16/32, EP8/16/32) and sm100 (B200: TP8/16) with the Triton that `make test` installs.
+(H200: TP8/16/32, EP8/16/32) and sm100 (B200: TP8/16) with the Triton that `make test` installs;
+the same for the Hopper W4A8 mode (e4m3, H200, both checkpoints' weight blocks), whose GEMMs must
+also be FP8 wgmma (`.e4m3.e4m3`, no bf16 wgmma) with the expanded weights as the register operand.
 Those are correctness on a GPU. The loop budgets, the tile table's freshness and the predictions
 are change detectors: `bench/sass_report.py --check` holds them (bench/README.md).
 
@@ -73,3 +75,36 @@ def test_fp4_modes_shipped_configs_launch_without_spills(report):
     assert bad == [], "\n".join(bad)
     mma = report["fp4_modes"]
     assert mma and all(r["native"] and r["local_bytes"] == 0 for r in mma), mma
+
+
+def test_e4m3_shipped_configs_launch_without_spills_on_fp8_wgmma(report):
+    """The Hopper W4A8 mode's rows (H200, every shard and M of the W4A16 rows, both checkpoints):
+    W4A8Config.heuristic's pick launches, spills nothing, and each GEMM is FP8 wgmma (`.e4m3.e4m3`,
+    K = 32) with the expanded weights from registers, an MMA in the hot loop and no bf16 wgmma (no
+    decomposition). TP32 (I = 96, not a multiple of 64) is the one shard it cannot run."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from sass_report import CHECKPOINTS, DEVICE_SHARDS
+
+    rows = report["e4m3"]["rows"]
+    assert {(r["checkpoint"], r["shard"], r["M"]) for r in rows} == {
+        (c, s, M) for c in CHECKPOINTS for s in DEVICE_SHARDS["H200"] for M in M_LIST}
+    failures = []
+    for r in rows:
+        where = f"e4m3 {r['checkpoint']} {r['shard']} M={r['M']}"
+        if "error" in r:
+            if not (r["shard"] == "tp32" and r["error"].startswith("not runnable")):
+                failures.append(f"{where}: {r['error']}")
+            continue
+        if r["shard"] == "tp32":
+            failures.append(f"{where}: ran on I = 96")
+        for k, kind in zip(r["kernels"], ("gemm1", "gemm2")):
+            w = f"{where} {kind} {k['config']}"
+            if not k["launchable"]:
+                failures.append(f"{w}: cannot launch ({k['why_not']})")
+            if k["local_bytes"] or k["local_memory_ops_in_loop"]:
+                failures.append(f"{w}: spills {k['local_bytes']} B")
+            if not (k["wgmma_forms"] and all(f.endswith("k32.f32.e4m3.e4m3") for f in k["wgmma_forms"])
+                    and k["wgmma_bf16_in_ptx"] == 0 and k["mma_per_iteration"] >= 1 and k["a_in_registers"]):
+                failures.append(f"{w}: not FP8 wgmma from registers ({k['wgmma_forms']}, bf16 "
+                                f"{k['wgmma_bf16_in_ptx']}, loop MMAs {k['mma_per_iteration']})")
+    assert failures == [], "\n".join(failures)

@@ -4,8 +4,9 @@ why the rule suffices under the PTX memory model).
 
 Every shipped kernel: the compiles are the static report's (bench/sass_report.py --ptx-dir, run
 once per test session and shared with tests/test_launch_configs.py: tests/shared_compiles.py):
-every device, shard and M the report lists, both checkpoint formats, both families (W4A16 on
-sm90 / sm100, the FP4 modes on sm100), each distinct compiled kernel (by Triton's hash) once. At
+every device, shard and M the report lists, both checkpoint formats, every family (W4A16 on
+sm90 / sm100, the FP4 modes on sm100, the Hopper W4A8 mode e4m3 on sm90), each distinct compiled
+kernel (by Triton's hash) once. At
 every arrival atomic, every store to the sum's buffer lies before a bar.sync that precedes it on
 every path, the atomic is acq_rel at GPU scope, and every load of the buffer follows it through
 a bar.sync.
@@ -83,12 +84,16 @@ def _expected_rows(result: dict) -> set[str]:
         split_k1 = int(re.search(r"\bsk(\d+)/\d+", r["config"]).group(1))
         name = f"B200 {r['implementation']} {r['shard']} M={r['M']}"
         rows |= {f"{name} gemm2"} | ({f"{name} gemm1"} if split_k1 > 1 else set())
+    for r in result["e4m3"]["rows"]:
+        if "config" in r:
+            name = f"H200 e4m3 {r['checkpoint']} {r['shard']} M={r['M']}"
+            rows |= {f"{name} gemm2"} | ({f"{name} gemm1"} if r["config"]["split_k1"] > 1 else set())
     return rows
 
 
 def test_every_shipped_last_arrival_kernel_releases_and_acquires(shipped, static_report):
     result = static_report.result
-    families = {f: sum(e["family"] == f for e in shipped) for f in ("w4a16", "nvfp4", "mxfp8")}
+    families = {f: sum(e["family"] == f for e in shipped) for f in ("w4a16", "nvfp4", "mxfp8", "e4m3")}
     print(f"\n{len(shipped)} distinct last-arrival kernels checked ({families}); the report lists "
           f"{result['last_arrival_kernels']}")
     assert len(shipped) == result["last_arrival_kernels"]
@@ -100,6 +105,8 @@ def test_every_shipped_last_arrival_kernel_releases_and_acquires(shipped, static
     assert any(lb.startswith("w4a16 sm90 gemm1") for lb in labels) and any(lb.startswith("w4a16 sm100") for lb in labels)
     assert all(families.values()) and any(" atomic" in lb for lb in labels)
     assert any(lb.startswith(("nvfp4 sm100 gemm1", "mxfp8 sm100 gemm1")) for lb in labels)
+    assert any(lb.startswith("e4m3 sm90 gemm1") for lb in labels) and any(
+        lb.startswith("e4m3 sm90 gemm2") and " atomic" in lb for lb in labels)
     failures = {e["label"]: v for e in shipped if (v := violations(e["text"], e["params"], e["buffer"]))}
     assert failures == {}
 

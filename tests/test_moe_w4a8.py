@@ -232,9 +232,36 @@ def test_config_check_names_the_field():
     cfg = W4A8Config.heuristic(E, H, I, K, M)
     cfg.check(H, I)
     assert cfg.block_k1 == 64 and cfg.block_k2 == 64
-    big = W4A8Config.heuristic(384, 3584, 3072, 8, 4096)
+
+
+def test_heuristic_picks_measured_tiles_that_launch_without_spills():
+    """W4A8Config.heuristic chooses by the static model among measured sm90 tiles (cost table
+    sections "w4a8 e4m3/16" and "/32"): never an unmeasured or spilling tile, a config that passes
+    check(), larger token blocks at prefill than at decode; without a section, the shape rule."""
+    from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.costs import loop_costs
+    from k3nvfp4.kernels.moe_w4a8_details.config import COST_ARCH, TOKEN_TILES, shape_rule
+
+    for wb in (16, 32):
+        for s in ("tp16", "ep16", "tp8"):
+            sh = pm.K3_SHARDS[s]
+            picks = {}
+            for M in (1, 64, 4096, 16384):
+                c = W4A8Config.heuristic(sh.local_experts, sh.hidden, sh.intermediate, sh.top_k, M,
+                                         num_global_experts=sh.global_experts, weight_block=wb)
+                c.check(sh.hidden, sh.intermediate)
+                assert (c.block_m, c.num_warps) in TOKEN_TILES and c in {
+                    __import__("dataclasses").replace(b, split_k1=c.split_k1, split_k2=c.split_k2)
+                    for b in W4A8Config.candidates(sh.hidden, sh.intermediate)}
+                costs = loop_costs({k: c.tile(k) for k in ("gemm1", "gemm2")}, COST_ARCH, W4A8Config.cost_mode(wb))
+                assert costs is not None and all(x.local_bytes == 0 for x in costs.values()), (s, M, c)
+                picks[M] = c
+            assert picks[1].block_m == 16 and picks[16384].block_m >= picks[1].block_m
+    big = shape_rule(384, 3584, 3072, 8, 4096)
     assert big.block_m == 64 and big.block_k1 == 64 and big.block_k2 == 128 and big.split_k1 == 1
     assert big.num_warps == 8
+    with pytest.raises(ValueError, match="weight_block: expected one of"):
+        W4A8Config.cost_mode(8)
 
 
 def test_large_call_routing_path_silu_and_empty_batch(layer, monkeypatch):

@@ -84,3 +84,28 @@ def test_our_gemm_counts_padding_as_processed_not_useful():
     mx = our_gemm(pm.H200, shard, 1, MoEConfig(block_n1=64, block_k1=256, num_warps1=8).gemm("gemm1"),
                      pm.LoopCost(683 / 2, 8, 237, 65536), routing, fmt=E8M0_32)
     assert math.isclose(mx.bytes_per_useful_weight, 0.53125)  # one E8M0 byte per 32, not expanded
+
+
+def test_mma_at_the_kernels_own_peak_and_the_e4m3_call_at_fp8_rate():
+    """predict_kernel's MMA term at mma_peak_flops (default the bf16 peak); the e4m3 call model
+    runs its GEMMs at the device's FP8 peak (H200: 1979 TFLOP/s, twice its bf16 989), with the
+    weights' bytes of W4A8MoEWeights (0.5 + 1/block + 4/K per weight)."""
+    from k3nvfp4.kernels.moe_w4a8_details.call_model import w4a8_bytes_per_weight, w4a8_call
+    from k3nvfp4.kernels.moe_w4a8_details.config import W4A8Config
+
+    cost = pm.LoopCost(instructions_per_iteration=1, num_warps=4, registers=64, shared_bytes=1024)
+    kw = dict(name="toy", config="c", cost=cost, programs_launched=2, programs_active=2, iterations_per_program=1,
+              iterations_total=2, weights_per_iteration=1, useful_weights=2, useful_passes=2, weight_bytes=0,
+              other_bytes=0, stage_bytes=1, stages=2, mma_flops=1e9, assumptions=A)
+    assert pm.predict_kernel(TOY, **kw).t_mma == pytest.approx(1e-6)  # 1e9 / 1e15
+    assert pm.predict_kernel(TOY, **kw, mma_peak_flops=2e15).t_mma == pytest.approx(0.5e-6)
+    assert pm.H200.mma_fp8_flops == 2 * 989.5e12
+    assert w4a8_bytes_per_weight(32, 3584) == pytest.approx(0.5 + 1 / 32 + 4 / 3584)
+    shard, cfg = pm.K3_SHARDS["ep16"], W4A8Config(block_m=64, num_warps=8)
+    costs = {k: pm.LoopCost(1, 8, 128, 32768) for k in ("gemm1", "gemm2")}  # loops too cheap to bind
+    call = w4a8_call(pm.H200, shard, 16384, cfg, costs, 32)
+    g1 = call.kernels[0]
+    # GEMM1 processes every token block's 256 rows x H at 64 tokens per MMA: 2 x rows x K x 64 flops
+    r = call.routing
+    flops = 2.0 * r.blocks * (shard.intermediate // 128) * (shard.hidden // 64) * 256 * 64 * 64
+    assert g1.t_mma == pytest.approx(flops / (0.7 * 1979e12))

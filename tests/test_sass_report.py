@@ -86,12 +86,13 @@ def test_an_unchanged_report_moves_no_row(committed):
     ("rows", "kernels[1].instructions_per_iteration", lambda v: v + 1),
     ("b200.fp4", "launches", lambda v: v + 1),
     ("fp4_modes", "registers", lambda v: v + 8),
+    ("e4m3", "time_us", lambda v: v * 1.1),
 ])
 def test_a_moved_row_is_named_with_its_field(committed, tmp_path, section, field, change):
     """report_check.moved_rows and run_checks (what --check exits 1 on) name the row and the field."""
     rc = _report_check()
     moved = copy.deepcopy(committed)
-    rows = moved["b200"]["fp4"] if section == "b200.fp4" else moved[section]
+    rows = moved["b200"]["fp4"] if section == "b200.fp4" else moved["e4m3"]["rows"] if section == "e4m3" else moved[section]
     row = rows[len(rows) // 2]
     if field.startswith("kernels["):
         k = row["kernels"][int(field[8])]
@@ -115,6 +116,21 @@ def test_a_moved_row_is_named_with_its_field(committed, tmp_path, section, field
     else:
         rc_findings = [f for f in rc.run_checks(moved, path) if f.startswith("moved:")]
     assert any(field in f and key in f for f in rc_findings), rc_findings
+
+
+def test_e4m3_rows_against_the_cost_table(committed):
+    """The committed e4m3 rows agree with their cost-table rows; a loop 10 % longer than the
+    table's, or fewer CTAs per SM than it allows, is named (report_check.stale_w4a8_rows)."""
+    rc = _report_check()
+    rows = committed["e4m3"]["rows"]
+    assert rc.stale_w4a8_rows(rows) == []
+    moved = copy.deepcopy(rows)
+    row = next(r for r in moved if r["shard"] == "ep16" and r["M"] == 64 and r["checkpoint"] == "mxfp4")
+    row["kernels"][0]["instructions_per_iteration"] = int(row["kernels"][0]["instructions_per_iteration"] * 1.1)
+    row["kernels"][1]["ctas_per_sm"] = 0
+    found = rc.stale_w4a8_rows(moved)
+    assert len(found) == 2 and all("mxfp4 ep16 M=64" in f for f in found), found
+    assert "loop" in found[0] and "CTAs/SM" in found[1], found
 
 
 def _run_checks_without_fp4_table(rc, result, path):

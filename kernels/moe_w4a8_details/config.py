@@ -3,18 +3,38 @@
 The tile shapes follow from the mode's numerics: weights on the MMA M side (swap-AB, always),
 GEMM1's column tile a multiple of 128 so that each 128-column group of the intermediate (one
 fp32 scale per token per group) is quantized inside one program, K steps of 64 or 128 inside one
-activation group. No cost table is measured for this mode yet (KernelMode.cost_modes is ()): the
-heuristic is a shape rule (below), not the static model the other modes' heuristics run.
+activation group. The heuristic predicts every candidate (:meth:`W4A8Config.candidates`, each
+GEMM's split-K) with the mode's call model (call_model.w4a8_call) from the tile costs measured
+offline on sm90 (kernels/costs.py, sections "w4a8 e4m3/16" and "w4a8 e4m3/32": one per weight
+block), and never picks a tile that spills or cannot launch; where no section is measured it falls
+back to a shape rule (:func:`shape_rule`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from ..costs import Tile, loop_costs
 
 # The activations' and the intermediate's scale group (docs/w4a8.md: one fp32 scale amax / 448 per
 # token per 128 columns).
 ACT_GROUP = 128
+# The mode's tiles are measured on sm90 (its target: FP8 wgmma); the heuristic reads those costs.
+COST_ARCH = 90
+# The cost table's mode of each weight block (16: from ModelOpt NVFP4, 32: from MXFP4).
+_COST_MODES = {16: "w4a8 e4m3/16", 32: "w4a8 e4m3/32"}
+# (block_m, num_warps) of the candidates: GEMM1's 256-row operand (2 x block_n1 = 128 columns) with
+# block_m tokens needs 8 warps at 64 tokens (its accumulators), 4 below; block_m 128 would spill.
+TOKEN_TILES = ((16, 4), (32, 4), (64, 8))
+# GEMM2's column tiles (power of two >= 64).
+GEMM2_BLOCK_N = (64, 128)
+# Split-K candidates; a split never leaves a slice without K steps. Powers of two only: SPLIT_K is a
+# constexpr, so each value is a compile of its own (at first use, and in the static report's and the
+# test suite's shared compile), and the model rarely prefers 3 / 6 / 12 by more than its noise.
+_SPLITS = (1, 2, 4, 8, 16)
+# A split or another tile must beat the best time so far by more than this to be taken (the model's noise).
+_GAIN = 1.03
 
 
 @dataclass(frozen=True)
@@ -42,17 +62,47 @@ class W4A8Config:
                 f"sk{self.split_k1}/{self.split_k2} w{self.num_warps} s{self.num_stages}"
                 + (" atomic" if self.atomic_reduce else ""))
 
+    def tile(self, kind: str) -> Tile:
+        """GEMM1's or GEMM2's tile: its row key in the cost table (swap-AB always; GEMM2's atomic
+        top-k sum is a tile of its own; split-K is not part of it)."""
+        bn, bk = (self.block_n1, self.block_k1) if kind == "gemm1" else (self.block_n2, self.block_k2)
+        return Tile(kind, self.block_m, True, bn, bk, self.num_warps, self.num_stages,
+                    kind == "gemm2" and self.atomic_reduce)
+
+    @staticmethod
+    def cost_mode(weight_block: int) -> str:
+        """The cost table's mode of the weights' block: "w4a8 e4m3/16" (ModelOpt NVFP4) or
+        "w4a8 e4m3/32" (MXFP4) (kernels/costs.py)."""
+        try:
+            return _COST_MODES[weight_block]
+        except KeyError:
+            raise ValueError(f"weight_block: expected one of {sorted(_COST_MODES)}, got {weight_block!r}") from None
+
+    @staticmethod
+    def candidates(H: int, I: int) -> tuple["W4A8Config", ...]:
+        """The tile shapes the heuristic chooses among for H, I (multiples of 64), without split-K:
+        GEMM1 128 columns of I (256 MMA rows) at K step 64 (K = 128 spills on sm90, Triton 3.8:
+        docs/w4a8.md); every (block_m, num_warps) of TOKEN_TILES; GEMM2 64 or 128 columns of H at
+        K step 128 where I allows, else 64; the atomic top-k sum at 64-token blocks."""
+        out = []
+        for bm, warps in TOKEN_TILES:
+            for bn2 in GEMM2_BLOCK_N:
+                base = W4A8Config(block_m=bm, block_n1=128, block_n2=bn2, block_k1=64,
+                                  block_k2=128 if I % 128 == 0 else 64, num_warps=warps)
+                out.append(base)
+                if bm == 64:
+                    out.append(replace(base, atomic_reduce=True))
+        return tuple(out)
+
     @classmethod
-    def heuristic(cls, E: int, H: int, I: int, top_k: int, M: int, *,
-                  num_global_experts: int | None = None, num_sms: int = 132) -> "W4A8Config":
-        """A shape rule (no measured costs yet): block_m the power of two in [16, 64] nearest above
-        the mean rows per local expert (~M k E / E_global / E); GEMM1's K step 64 (its operand is
-        2 x 128 weight rows: at 128 it uses every register on sm90 and spills at block_m 64,
-        Triton 3.8: kernels/offline/compile_w4a8.py --mode), GEMM2's 128 where I allows, else 64; 8 warps at
-        block_m 64 (GEMM1's accumulators); each GEMM split over K (at most 8 slices, each with
-        >= 2 K steps) while its programs fill fewer than ``num_sms`` (H100 / H200: 132). Cached
-        per shape."""
-        return _heuristic(E, H, I, top_k, M, num_global_experts, num_sms)
+    def heuristic(cls, E: int, H: int, I: int, top_k: int, M: int, *, num_global_experts: int | None = None,
+                  weight_block: int = 32, device_name: str = "H200") -> "W4A8Config":
+        """The candidate (:meth:`candidates`) and split-K pair the static model predicts fastest on
+        ``device_name`` (perf_model.DEVICES; H200 where unknown) with the tile costs measured for
+        the weights' block (``weight_block`` 16 or 32, :meth:`cost_mode`); tiles that spill or
+        cannot launch are never chosen. Without a measured section, :func:`shape_rule`. Cached per
+        shape: the model runs once per shape, not per call."""
+        return _heuristic(E, H, I, top_k, M, num_global_experts, weight_block, device_name)
 
     def check(self, H: int, I: int) -> None:
         """Raise a ValueError naming the field this config gets wrong for H, I."""
@@ -78,8 +128,47 @@ def _split(programs: int, steps: int, num_sms: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _heuristic(E: int, H: int, I: int, top_k: int, M: int, num_global_experts: int | None,
-               num_sms: int) -> W4A8Config:
+def _heuristic(E: int, H: int, I: int, top_k: int, M: int, num_global_experts: int | None, weight_block: int,
+               device_name: str) -> W4A8Config:
+    from .. import perf_model as pm
+    from .call_model import w4a8_call
+
+    device = pm.DEVICES.get(device_name, pm.H200)
+    shard = pm.Shard("call", E, num_global_experts or E, H, I, top_k)
+    mode = W4A8Config.cost_mode(weight_block)
+    best, t_best = None, float("inf")
+    for base in W4A8Config.candidates(H, I):
+        costs = loop_costs({k: base.tile(k) for k in ("gemm1", "gemm2")}, COST_ARCH, mode)
+        if costs is None or any(c.local_bytes for c in costs.values()):  # unmeasured, or spills
+            continue
+        if not all(pm.occupancy(device, c.registers, 32 * c.num_warps, c.shared_bytes)[0] for c in costs.values()):
+            continue  # cannot launch
+
+        def time(cfg: W4A8Config) -> float:
+            return w4a8_call(device, shard, M, cfg, costs, weight_block).time_s
+
+        cand_best, cand_t = base, time(base)
+        for kind, K, bk in (("split_k1", H, base.block_k1), ("split_k2", I, base.block_k2)):
+            steps = K // bk
+            for s in _SPLITS[1:]:
+                if s > steps or (s - 1) * -(-steps // s) >= steps:  # a slice would get no K step
+                    continue
+                cand = replace(cand_best, **{kind: s})
+                t = time(cand)
+                if t * _GAIN < cand_t:
+                    cand_best, cand_t = cand, t
+        if cand_t * _GAIN < t_best:
+            best, t_best = cand_best, cand_t
+    return best if best is not None else shape_rule(E, H, I, top_k, M, num_global_experts, device.sms)
+
+
+def shape_rule(E: int, H: int, I: int, top_k: int, M: int, num_global_experts: int | None = None,
+               num_sms: int = 132) -> W4A8Config:
+    """The heuristic without measured costs (a Triton whose section is missing): block_m the power
+    of two in [16, 64] nearest above the mean rows per local expert (~M k E / E_global / E); GEMM1's
+    K step 64, GEMM2's 128 where I allows, else 64; 8 warps at block_m 64 (GEMM1's accumulators);
+    each GEMM split over K (at most 8 slices, each with >= 2 K steps) while its programs fill fewer
+    than ``num_sms``."""
     local_pairs = M * top_k * E / max(E, num_global_experts or E)
     per_expert = local_pairs / max(1, E)
     bm = 16

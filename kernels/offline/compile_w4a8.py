@@ -2,8 +2,10 @@
 weights (packed E2M1 nibbles + one exponent offset per 32) expanded in registers to E4M3 by
 moe_details/e4m3_expand.py, as the FIRST tl.dot operand, times FP8 activations loaded from memory.
 The groundwork of the Hopper W4A8 mode (docs/w4a8.md): it shows that the expansion compiles and that
-the GEMM gets FP8 wgmma (`.e4m3.e4m3`), and measures what the expansion costs per weight. Used by
-tests/test_w4a8_compile.py; run it with TRITON_INTERPRET unset:
+the GEMM gets FP8 wgmma (`.e4m3.e4m3`), and measures what the expansion costs per weight.
+:func:`measure_w4a8_gemm` measures the mode's shipped GEMMs for bench/sass_report.py (its e4m3
+rows, which tests/test_launch_configs.py and tests/test_memory_ordering.py check) and for the cost
+table (offline/costs.py). Run it with TRITON_INTERPRET unset:
 
     python -P -m k3nvfp4.kernels.offline.compile_w4a8 [--block-n 64 --block-m 64 --block-k 128]
 
@@ -122,6 +124,37 @@ def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int
         consts.update(BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
                       ATOMIC=config.atomic_reduce)
     return compile_kernel(fn, args, consts, arch, config.num_warps, config.num_stages)
+
+
+def measure_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 3072, top_k: int = 16, arch: int = 90,
+                      weight_block: int = 32, compiled=None) -> dict:
+    """Compile one GEMM of the e4m3 mode at a W4A8Config (its split-K and top-k sum as given) for
+    sm<arch> and measure it statically: the hot K loop's instructions per warp and iteration,
+    registers, shared memory the launch requests, spills, the FP8 / bf16 wgmma in the PTX and
+    whether the expanded weights are the register operand. Returns a dict with "loop_cost"
+    (perf_model.LoopCost) and the details (bench/sass_report.py's e4m3 rows, offline/costs.py)."""
+    from . import sass
+    from .compile import loop_statics
+
+    c = compiled or compile_w4a8_gemm(kind, config, H, I, top_k, arch, weight_block)
+    cost, st = loop_statics(c, config.num_warps)
+    ptx = c.asm["ptx"]
+    rows = 2 * config.block_n1 if kind == "gemm1" else config.block_n2
+    bk = config.block_k1 if kind == "gemm1" else config.block_k2
+    return {
+        "loop_cost": cost,
+        "instructions_per_iteration": st.instructions,
+        "weights_per_iteration": rows * bk,
+        "num_warps": config.num_warps,
+        "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, config.num_warps, rows * bk), 4),
+        "registers": cost.registers, "local_bytes": cost.local_bytes, "shared_bytes": cost.shared_bytes,
+        "mma_per_iteration": st.mma, "local_memory_ops_in_loop": st.local_memory_ops,
+        "family_mix": st.family_mix, "opcode_mix": dict(list(st.opcode_mix.items())[:15]),
+        "wgmma_forms": sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)}),
+        "wgmma_e4m3_in_ptx": len(WGMMA_E4M3.findall(ptx)),
+        "wgmma_bf16_in_ptx": len(re.findall(r"wgmma\.mma_async[^;]*\.bf16\.bf16", ptx)),
+        "a_in_registers": bool(re.search(r"\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)),
+    }
 
 
 def mode_report(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16,

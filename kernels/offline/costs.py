@@ -6,6 +6,7 @@ measures, with the installed Triton, and keeps the others (other releases, other
     python -P -m k3nvfp4.kernels.offline.costs --write                  # both families
     python -P -m k3nvfp4.kernels.offline.costs --family w4a16 --write   # ~25 min on 2 cores
     python -P -m k3nvfp4.kernels.offline.costs --family fp4 --write     # ~30 s on 2 cores
+    python -P -m k3nvfp4.kernels.offline.costs --family w4a8 --write    # ~2 min CPU
 
 Run it after any change to a kernel, the layout, a tile or the Triton version;
 bench/sass_report.py --check reports a table that no longer matches the compiler (bench/README.md).
@@ -26,6 +27,10 @@ the launch requests, local (spill) bytes), per family:
   FP4MoEConfig.candidates at decode and prefill, for H and I divisible by 128 or only by 64, the
   atomic top-k sum as a tile of its own, each compiled with split-K 2 where K allows
   (measure_fp4_gemm: the epilogue that costs the most registers).
+- **Hopper W4A8** ("w4a8 e4m3/16", "w4a8 e4m3/32": the weights' block, from ModelOpt NVFP4 or
+  MXFP4; sm90 only): every tile of W4A8Config.candidates for I divisible by 128 and by 64 only,
+  the atomic top-k sum as a tile of its own, each compiled with split-K 2 (the split-K epilogue's
+  registers; compile_w4a8.measure_w4a8_gemm) at H = 3584, I = 3072.
 """
 
 from __future__ import annotations
@@ -129,7 +134,53 @@ def measure_fp4(act_quant: str, progress: bool = True) -> dict[str, Row]:
     return out
 
 
-def measure_family(family: str, archs=(90, 100), progress: bool = True) -> dict[Section, dict[str, Row]]:
+# ---------------------------------------------------------------------------------------------- W4A8 (e4m3)
+
+
+def w4a8_table_configs() -> dict[str, tuple[str, object]]:
+    """{Tile.label(): (kind, W4A8Config)} of every tile the e4m3 heuristic may need:
+    W4A8Config.candidates for I divisible by 128 and by 64 only."""
+    from ..moe_w4a8_details.config import W4A8Config
+
+    out = {}
+    for I in (3072, 192):
+        for cfg in W4A8Config.candidates(3584, I):
+            for kind in ("gemm1", "gemm2"):
+                out[cfg.tile(kind).label()] = (kind, cfg)
+    return out
+
+
+def _w4a8_job(job: tuple) -> tuple[str, Row]:
+    from .compile_w4a8 import measure_w4a8_gemm
+
+    label, kind, cfg, weight_block = job
+    cfg = replace(cfg, split_k1=2, split_k2=2)  # the split-K epilogue: the most registers
+    m = measure_w4a8_gemm(kind, cfg, 3584, 3072, 16, W4A8_ARCH, weight_block)
+    return label, (m["instructions_per_iteration"], m["registers"], m["shared_bytes"], m["local_bytes"])
+
+
+def measure_w4a8(weight_block: int, progress: bool = True, workers: int = 1) -> dict[str, Row]:
+    """{Tile.label(): row} of the e4m3 mode on sm90 for one weight block (16 / 32), in ``workers``
+    processes."""
+    jobs = [(label, kind, cfg, weight_block) for label, (kind, cfg) in sorted(w4a8_table_configs().items())]
+    if workers > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            results = list(pool.map(_w4a8_job, jobs))
+    else:
+        results = [_w4a8_job(j) for j in jobs]
+    if progress:
+        for label, row in results:
+            print(f"e4m3/{weight_block} {label}: {row}", file=sys.stderr, flush=True)
+    return dict(results)
+
+
+W4A8_ARCH = 90
+
+
+def measure_family(family: str, archs=(90, 100), progress: bool = True, workers: int = 1) -> dict[Section, dict[str, Row]]:
     """Every section of one family ("w4a16" on ``archs``, or "fp4" on sm100), measured with the
     installed Triton."""
     version = triton_release()
@@ -143,7 +194,11 @@ def measure_family(family: str, archs=(90, 100), progress: bool = True) -> dict[
         from ..moe_fp4_details.config import FP4MoEConfig
 
         return {(version, FP4_ARCH, FP4MoEConfig.cost_mode(aq)): measure_fp4(aq, progress) for aq in ("nvfp4", "mxfp8")}
-    raise ValueError(f"family: expected 'w4a16' or 'fp4', got {family!r}")
+    if family == "w4a8":
+        from ..moe_w4a8_details.config import W4A8Config
+
+        return {(version, W4A8_ARCH, W4A8Config.cost_mode(wb)): measure_w4a8(wb, progress, workers) for wb in (16, 32)}
+    raise ValueError(f"family: expected 'w4a16', 'fp4' or 'w4a8', got {family!r}")
 
 
 # ---------------------------------------------------------------------------------------------- the table
@@ -196,7 +251,8 @@ def write(sections: dict[Section, dict[str, Row]]) -> pathlib.Path:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -P -m k3nvfp4.kernels.offline.costs",
                                 description="Measure the kernel families' tile costs offline (no GPU).")
-    p.add_argument("--family", choices=("w4a16", "fp4", "all"), default="all", help="which family's sections")
+    p.add_argument("--family", choices=("w4a16", "fp4", "w4a8", "all"), default="all", help="which family's sections")
+    p.add_argument("--workers", type=int, default=1, help="w4a8: compile processes")
     p.add_argument("--arch", default="90,100", help="W4A16: comma list of compute capabilities x10 (FP4: sm100 only)")
     p.add_argument("--write", action="store_true",
                    help="rewrite the measured sections of kernels/cost_table.py (every other section is kept)")
@@ -206,8 +262,8 @@ def main(argv=None) -> int:
     except ValueError:
         p.error(f"--arch: expected comma-separated integers, got {args.arch!r}")
     sections: dict[Section, dict[str, Row]] = {}
-    for family in (("w4a16", "fp4") if args.family == "all" else (args.family,)):
-        sections |= measure_family(family, archs)
+    for family in (("w4a16", "fp4", "w4a8") if args.family == "all" else (args.family,)):
+        sections |= measure_family(family, archs, workers=args.workers)
     if args.write:
         print(f"wrote {write(sections)}")
     else:

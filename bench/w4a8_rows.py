@@ -1,0 +1,252 @@
+"""The Hopper W4A8 ("e4m3") rows of the static report (bench/sass_report.py): on the H200 (sm_90),
+every shard and M the report lists for W4A16, both checkpoints (nvfp4: the cast's NVFP4, weight
+block 16; mxfp4: the release, weight block 32), the config W4A8Config.heuristic picks, both GEMMs
+compiled with the shard's shapes (offline/compile_w4a8.measure_w4a8_gemm: loop, registers, shared
+memory, spills, FP8 / bf16 wgmma in the PTX) and put through the mode's call model
+(moe_w4a8_details/call_model.w4a8_call). Beside each row: the W4A16 row and marlin (nvfp4) or
+FlashInfer (mxfp4) at the same shard and M, and per useful MAC (a useful weight times the local
+tokens that need it: local pairs x 3 I H per call) the warp-instructions and weight bytes of each.
+
+Everything here is computed from this run's compiles and rows; nothing is hard-coded. The issue's
+static targets (issue 38) are evaluated in :func:`targets`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+CHECKPOINT_BLOCK = {"nvfp4": 16, "mxfp4": 32}  # the weights' block of each checkpoint (W4A8MoEWeights.block)
+LAST_ARRIVAL_BUFFER = {"gemm1": "part_ptr", "gemm2": "buf_ptr"}
+# Issue 38's static done-when (H200): at M >= 4096 on EP16 and TP16, e4m3 <= 0.6x W4A16 and ahead of
+# every peer counted; at M <= 64, e4m3 <= 1.05x W4A16.
+TARGET_SHARDS = ("ep16", "tp16")
+PREFILL_M, PREFILL_RATIO = 4096, 0.6
+DECODE_M, DECODE_RATIO = 64, 1.05
+
+
+def measure_job(job: tuple, ptx_dir: str | None = None) -> dict:
+    """One e4m3 GEMM compiled and measured (a worker process's task). job: ("e4m3", kind, config,
+    H, I, top_k, weight_block). With ptx_dir a last-arrival kernel (GEMM2, GEMM1 split over K) also
+    writes its PTX there (its index entry under "ptx")."""
+    import pathlib
+
+    from k3nvfp4.common.files import write_text_atomic
+    from k3nvfp4.kernels.offline.compile_w4a8 import compile_w4a8_gemm, measure_w4a8_gemm
+
+    _, kind, cfg, H, I, top_k, wb = job
+    try:
+        c = compile_w4a8_gemm(kind, cfg, H, I, top_k, 90, wb)
+        out = measure_w4a8_gemm(kind, cfg, H, I, top_k, 90, wb, compiled=c)
+        if ptx_dir and (kind == "gemm2" or cfg.split_k1 > 1):
+            path = pathlib.Path(ptx_dir) / f"{c.hash}.ptx"
+            write_text_atomic(path, c.asm["ptx"])
+            out["ptx"] = {"hash": c.hash, "ptx": path.name, "kind": kind, "buffer": LAST_ARRIVAL_BUFFER[kind],
+                          "params": [k for k, v in c.src.signature.items() if v != "constexpr"]}
+        return out
+    except Exception as e:  # reported in the row, not hidden
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def _gemm_key(kind: str, cfg, wb: int) -> tuple:
+    """What a compile of one GEMM depends on (H, I, top_k are runtime ints, all divisible by 16)."""
+    if kind == "gemm1":
+        return (kind, cfg.block_m, cfg.block_n1, cfg.block_k1, cfg.split_k1, cfg.num_warps, cfg.num_stages, wb)
+    return (kind, cfg.block_m, cfg.block_n2, cfg.block_k2, cfg.split_k2, cfg.num_warps, cfg.num_stages,
+            cfg.atomic_reduce, wb)
+
+
+class W4A8Statics:
+    """The e4m3 compiles, cached per GEMM; with ``planning`` only records the jobs (as
+    sass_report.Statics does), so that they run in the report's one process pool."""
+
+    def __init__(self, planning: bool = False):
+        self.planning = planning
+        self.cache: dict = {}
+        self.jobs: dict = {}
+        self.uses: dict = {}
+        self.errors: list[str] = []
+
+    def get(self, kind: str, cfg, shard, wb: int, row: str) -> dict:
+        key = _gemm_key(kind, cfg, wb)
+        job = ("e4m3", kind, cfg, shard.hidden, shard.intermediate, shard.top_k, wb)
+        self.jobs.setdefault(key, job)
+        if row not in self.uses.setdefault(key, []):
+            self.uses[key].append(row)
+        if self.planning:
+            return {"error": "planned"}
+        if key not in self.cache:
+            self.store(key, measure_job(job))
+        return self.cache[key]
+
+    def store(self, key: tuple, result: dict) -> None:
+        self.cache[key] = result
+        if "error" in result:
+            self.errors.append(f"sm_90 e4m3 {' '.join(map(str, key))}: {result['error']}")
+
+
+def config_dict(cfg) -> dict:
+    return {**asdict(cfg), "label": cfg.label()}
+
+
+def rows(shard_names, m_list, statics: W4A8Statics, checkpoint: str) -> list[dict]:
+    """The e4m3 rows of one checkpoint on the H200 (module docstring)."""
+    from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.moe_w4a8_details.call_model import w4a8_call
+    from k3nvfp4.kernels.moe_w4a8_details.config import W4A8Config
+
+    device, wb = pm.H200, CHECKPOINT_BLOCK[checkpoint]
+    out = []
+    for sname in shard_names:
+        shard = pm.K3_SHARDS[sname]
+        for M in m_list:
+            row = {"implementation": "k3nvfp4 e4m3", "checkpoint": checkpoint, "device": "H200", "arch": device.sm_tag,
+                   "shard": sname, "M": M}
+            if shard.hidden % 64 or shard.intermediate % 64:
+                row["error"] = (f"not runnable: the e4m3 mode needs H and I multiples of 64 "
+                                f"(H = {shard.hidden}, I = {shard.intermediate})")
+                out.append(row)
+                continue
+            cfg = W4A8Config.heuristic(shard.local_experts, shard.hidden, shard.intermediate, shard.top_k, M,
+                                       num_global_experts=shard.global_experts, weight_block=wb, device_name="H200")
+            row["config"] = config_dict(cfg)
+            name = f"H200 e4m3 {checkpoint} {sname} M={M}"
+            measured = {kind: statics.get(kind, cfg, shard, wb, name) for kind in ("gemm1", "gemm2")}
+            if any("error" in m for m in measured.values()):
+                row["error"] = "; ".join(m["error"] for m in measured.values() if "error" in m)
+                out.append(row)
+                continue
+            pred = w4a8_call(device, shard, M, cfg, {k: m["loop_cost"] for k, m in measured.items()}, wb)
+            row.update(pred.to_dict())
+            row.update(per_mac(row, shard, M))
+            for kind, kern in zip(("gemm1", "gemm2"), row["kernels"]):
+                m = measured[kind]
+                kern.update({k: m[k] for k in ("instructions_per_iteration", "weights_per_iteration", "num_warps",
+                                               "warp_instr_per_weight", "mma_per_iteration", "local_memory_ops_in_loop",
+                                               "family_mix", "opcode_mix", "wgmma_forms", "wgmma_e4m3_in_ptx",
+                                               "wgmma_bf16_in_ptx", "a_in_registers")})
+                kern["ok"] = (kern["launchable"] and kern["local_bytes"] == 0 and kern["wgmma_e4m3_in_ptx"] > 0
+                              and kern["wgmma_bf16_in_ptx"] == 0)
+            row["ok"] = all(k["ok"] for k in row["kernels"])
+            out.append(row)
+    return out
+
+
+def useful_macs(shard, M: int) -> float:
+    """Multiply-adds a call needs: the local (token, slot) pairs x (GEMM1's 2 I H + GEMM2's H I)."""
+    pairs = M * shard.top_k * shard.local_experts / shard.global_experts
+    return pairs * 3 * shard.intermediate * shard.hidden
+
+
+def per_mac(row: dict, shard, M: int) -> dict:
+    """Warp-instructions (hot loops) and weight bytes per useful MAC of a predicted call's row."""
+    macs = useful_macs(shard, M)
+    kernels = row.get("kernels", [])
+    return {"warp_instr_per_useful_mac": sum(k.get("warp_instructions", 0.0) for k in kernels) / macs,
+            "bytes_per_useful_mac": sum(k.get("weight_bytes", 0.0) for k in kernels) / macs}
+
+
+def compare(result: dict) -> None:
+    """Put beside each e4m3 row the W4A16 row of the same checkpoint, shard and M and the peer of
+    its checkpoint (marlin for nvfp4, FlashInfer for mxfp4) from this run: times, per-MAC figures,
+    ratios (e4m3 / other, < 1: e4m3 faster)."""
+    from k3nvfp4.kernels import perf_model as pm
+
+    ours = {(r["checkpoint"], r["shard"], r["M"]): r for r in result["rows"] if r.get("device") == "H200"}
+    peers = {(sec, r["shard"], r["M"]): r for sec in ("marlin", "flashinfer") for r in result[sec]["rows"]}
+    for r in result["e4m3"]["rows"]:
+        if "error" in r:
+            continue
+        shard = pm.K3_SHARDS[r["shard"]]
+        others = {"w4a16": ours.get((r["checkpoint"], r["shard"], r["M"])),
+                  "marlin" if r["checkpoint"] == "nvfp4" else "flashinfer":
+                  peers.get(("marlin" if r["checkpoint"] == "nvfp4" else "flashinfer", r["shard"], r["M"]))}
+        for name, o in others.items():
+            if o is None or "error" in o or "time_us" not in o:
+                r[f"{name}_time_us"] = None
+                continue
+            r[f"{name}_time_us"] = o["time_us"]
+            r[f"{name}_ratio"] = round(r["time_us"] / o["time_us"], 4)
+            r[f"{name}_per_mac"] = {k: round(v, 6) for k, v in per_mac(o, shard, r["M"]).items()}
+
+
+def targets(result: dict) -> list[dict]:
+    """Issue 38's static done-when figures from this run's rows (TARGET_SHARDS, both checkpoints):
+    at M >= PREFILL_M e4m3 / W4A16 <= PREFILL_RATIO and e4m3 / peer < 1; at M <= DECODE_M
+    e4m3 / W4A16 <= DECODE_RATIO."""
+    out = []
+    for r in result["e4m3"]["rows"]:
+        if r["shard"] not in TARGET_SHARDS or "error" in r or r.get("w4a16_ratio") is None:
+            continue
+        if r["M"] >= PREFILL_M:
+            bound, what = PREFILL_RATIO, "prefill"
+        elif r["M"] <= DECODE_M:
+            bound, what = DECODE_RATIO, "decode"
+        else:
+            continue
+        peer = "marlin" if r["checkpoint"] == "nvfp4" else "flashinfer"
+        t = {"checkpoint": r["checkpoint"], "shard": r["shard"], "M": r["M"], "which": what,
+             "e4m3_over_w4a16": r["w4a16_ratio"], "bound": bound, "met": r["w4a16_ratio"] <= bound,
+             "peer": peer, "e4m3_over_peer": r.get(f"{peer}_ratio")}
+        if what == "prefill" and t["e4m3_over_peer"] is not None:
+            t["met"] = t["met"] and t["e4m3_over_peer"] < 1.0
+        out.append(t)
+    return out
+
+
+def last_arrival_entries(statics: W4A8Statics) -> tuple[list[dict], list[str]]:
+    """The e4m3 last-arrival kernels for sass_report's --ptx-dir index (family "e4m3"), and the
+    errors of those that wrote no PTX."""
+    entries, errors = {}, []
+    for key, job in statics.jobs.items():
+        kind, cfg = job[1], job[2]
+        if not (kind == "gemm2" or cfg.split_k1 > 1):
+            continue
+        result = statics.cache.get(key, {})
+        label = f"e4m3 sm90 {cfg.tile(kind).label()} sk{cfg.split_k1 if kind == 'gemm1' else cfg.split_k2} wb{job[6]}"
+        if "ptx" not in result:
+            errors.append(f"{label}: no PTX ({result.get('error', 'not compiled')})")
+            continue
+        e = entries.setdefault(result["ptx"]["hash"], {**result["ptx"], "family": "e4m3", "rows": [], "label": label})
+        e["rows"] += [f"{r} {kind}" for r in statics.uses.get(key, [])]
+    return list(entries.values()), errors
+
+
+def _f(x, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(result: dict) -> list[str]:
+    lines = ["Hopper W4A8 (`K3NVFP4_ACT_QUANT=e4m3`, docs/w4a8.md) on the H200, FP8 wgmma at the dense FP8 rate "
+             "(`perf_model.H200.mma_fp8_flops`), W4A8Config.heuristic's pick, `bench/w4a8_rows.py`. Per GEMM: "
+             "config (bn GEMM1/GEMM2, bk, sk), CTAs/SM, warp-instructions per useful weight pass (bound). Per "
+             "call: warp-instructions and weight bytes per useful MAC (x1000) of e4m3 / W4A16 / the peer "
+             "(marlin for nvfp4, FlashInfer for mxfp4), predicted times and e4m3 / W4A16, e4m3 / peer.", "",
+             "| ckpt | shard | M | config | GEMM1 CTAs/SM, instr/useful w | GEMM2 CTAs/SM, instr/useful w | "
+             "instr/MAC x1000 e4m3 / W4A16 / peer | B/MAC x1000 e4m3 / W4A16 | e4m3 us | W4A16 us | peer us | "
+             "e4m3/W4A16 | e4m3/peer | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["e4m3"]["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['checkpoint']} | {r['shard']} | {r['M']} | {r['error'][:90]} |" + " |" * 10)
+            continue
+        peer = "marlin" if r["checkpoint"] == "nvfp4" else "flashinfer"
+        g = [f"{k['ctas_per_sm']}, {k['warp_instr_per_useful_weight']:.3f} ({k['bound']})" for k in r["kernels"]]
+        w, p = r.get("w4a16_per_mac") or {}, r.get(f"{peer}_per_mac") or {}
+        cfg = " ".join(x for x in r["config"]["label"].split() if x not in ("swap", "s3"))
+        lines.append(
+            f"| {r['checkpoint']} | {r['shard']} | {r['M']} | {cfg} | {g[0]} | {g[1]} | "
+            f"{r['warp_instr_per_useful_mac'] * 1e3:.3f} / {_f(w.get('warp_instr_per_useful_mac', 0) * 1e3 if w else None, '.3f')}"
+            f" / {_f(p.get('warp_instr_per_useful_mac', 0) * 1e3 if p else None, '.3f')} | "
+            f"{r['bytes_per_useful_mac'] * 1e3:.3f} / {_f(w.get('bytes_per_useful_mac', 0) * 1e3 if w else None, '.3f')} | "
+            f"{r['time_us']:.1f} | {_f(r.get('w4a16_time_us'))} | {_f(r.get(f'{peer}_time_us'))} | "
+            f"{_f(r.get('w4a16_ratio'), '.2f')} | {_f(r.get(f'{peer}_ratio'), '.2f')} | {'yes' if r['ok'] else 'NO'} |")
+    t = result["e4m3"].get("targets") or []
+    if t:
+        lines += ["", f"Issue 38's static targets (H200, {'/'.join(TARGET_SHARDS).upper()}): at M >= {PREFILL_M} "
+                  f"e4m3 / W4A16 <= {PREFILL_RATIO} and ahead of the peer; at M <= {DECODE_M} e4m3 / W4A16 <= "
+                  f"{DECODE_RATIO}. Met at {sum(x['met'] for x in t)} of {len(t)} points:", "",
+                  "| ckpt | shard | M | e4m3 / W4A16 | bound | e4m3 / peer | met |", "|---|---|---|---|---|---|---|"]
+        for x in t:
+            lines.append(f"| {x['checkpoint']} | {x['shard']} | {x['M']} | {x['e4m3_over_w4a16']:.2f} | {x['bound']} | "
+                         f"{_f(x['e4m3_over_peer'], '.2f')} ({x['peer']}) | {'yes' if x['met'] else 'no'} |")
+    return lines
