@@ -78,7 +78,7 @@ def stale_tile_rows(rows: list[dict]) -> list[str]:
 
 def stale_w4a8_rows(rows: list[dict]) -> list[str]:
     """Shipped e4m3 GEMMs (the report's "e4m3" rows) whose compile today disagrees with their
-    cost_table entry ("w4a8 e4m3/<block>", measured with split-K 2): shared memory within 1 KiB,
+    cost_table entry ("w4a8 e4m3/<block>": the worse of split-K 1 and 2): shared memory within 1 KiB,
     at least the CTAs per SM the model assumed, the loop within 5 %."""
     from k3nvfp4.kernels import perf_model as pm
     from k3nvfp4.kernels.costs import tile_cost
