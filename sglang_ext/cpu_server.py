@@ -10,7 +10,8 @@ with the production launch of k3nvfp4.sglang_ext.launch for one node plus:
 
 - environment: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU engine), ``SGLANG_PLUGINS=k3nvfp4``,
   ``TRITON_INTERPRET=1`` (Triton kernels, the plugin's and SGLang's, run in Triton's
-  interpreter), ``K3NVFP4_SGLANG_CPU=1`` and k3nvfp4/sglang_ext/cpu/pythonpath first on
+  interpreter), ``TORCHDYNAMO_DISABLE=1`` unless set (SGLang's torch.compile'd functions run
+  eagerly instead of compiling C++ on their first calls), ``K3NVFP4_SGLANG_CPU=1`` and k3nvfp4/sglang_ext/cpu/pythonpath first on
   PYTHONPATH (the CPU workarounds and the sgl_kernel stand-in; k3nvfp4.sglang_ext.cpu);
 - CPU_FLAGS: CPU device, torch attention, no CUDA graphs, no warm-up request, a small KV pool;
 - for a Kimi-K3 checkpoint (config.json model_type kimi_k3) K3_CPU_FLAGS, and a
@@ -109,6 +110,10 @@ def server_env(base: dict[str, str] | None = None, *, load_timeout_s: int = Laun
     env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PLUGINS": "k3nvfp4", "K3NVFP4_SGLANG_CPU": "1",
                 "TRITON_INTERPRET": "1", "K3NVFP4_LOAD_TIMEOUT_S": env.get("K3NVFP4_LOAD_TIMEOUT_S", str(load_timeout_s)),
                 "PYTHONPATH": os.pathsep.join([str(PYTHONPATH_DIR), *filter(None, [env.get("PYTHONPATH")])])})
+    # SGLang's torch.compile'd functions (the MoE top-k, the sampler) would compile C++ through
+    # inductor on their first calls on CPU: ~10 s of a server's start and ~4 s of its first request
+    # (measured, one K3 server alone on 2 cores). Eager runs the same ops; a user's own value wins.
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
     return env
 
 
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     env = server_env()
     if args.print:
         for k in ("SGLANG_USE_CPU_ENGINE", "SGLANG_PLUGINS", "K3NVFP4_SGLANG_CPU", "TRITON_INTERPRET",
-                  "K3NVFP4_LOAD_TIMEOUT_S", "PYTHONPATH"):
+                  "TORCHDYNAMO_DISABLE", "K3NVFP4_LOAD_TIMEOUT_S", "PYTHONPATH"):
             print(f"export {k}={shlex.quote(env[k])}")
         print(shlex.join(cmd))
         return 0

@@ -37,6 +37,7 @@ def test_print_for_a_k3_checkpoint(tmp_path):
     exports = dict(x[len("export "):].split("=", 1) for x in lines[:-1])
     assert exports["SGLANG_USE_CPU_ENGINE"] == exports["K3NVFP4_SGLANG_CPU"] == exports["TRITON_INTERPRET"] == "1"
     assert exports["SGLANG_PLUGINS"] == "k3nvfp4"
+    assert exports["TORCHDYNAMO_DISABLE"] == "1"  # no inductor C++ compiles on the first requests
     assert exports["PYTHONPATH"].split(os.pathsep)[0] == str(PYTHONPATH_DIR)
     cmd = lines[-1].split()
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
@@ -69,3 +70,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, message):
     proc = _run(*[a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert proc.returncode == 2 and message.replace("{tmp}", str(tmp_path)) in proc.stderr.splitlines()[-1], proc.stderr
     assert not (tmp_path / "k3" / "tokenizer.json").exists()
+
+
+def test_a_users_dynamo_setting_wins():
+    from k3nvfp4.sglang_ext.cpu_server import server_env
+
+    assert server_env({})["TORCHDYNAMO_DISABLE"] == "1"
+    assert server_env({"TORCHDYNAMO_DISABLE": "0"})["TORCHDYNAMO_DISABLE"] == "0"
