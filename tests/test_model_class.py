@@ -17,9 +17,9 @@ check fails where it must, naming exactly the culprits: a copy of the checkpoint
 renamed (SGLang's loader skips unknown names without a word), and SGLang itself patched, in that
 process only, to load expert 3's gate weights into the up half and back (a silent misread).
 
-Three processes (about 12 s of imports each, plus the interpreter forwards); the single-rank one
-runs the checks through the library API (run_checks) so it can hold the patched control too,
-the other two through the command line.
+Two processes (about 14 s of SGLang imports each, plus the interpreter forwards): the single-rank
+one runs its four checks through the library API (run_checks), so it can hold the patched
+control too; TP2 and EP2 through the command line.
 """
 
 from __future__ import annotations
@@ -57,14 +57,16 @@ def _corrupt(good: Path, out: Path) -> Path:
     return out
 
 
-# The single-rank driver: the padded checkpoint, the broken copy, then the padded checkpoint
-# again with SGLang's expert name mapping patched to swap SWAPPED_EXPERT's gate and up.
+# The single-rank driver: the padded checkpoint, the broken copy, the --trim-a-log cast built with
+# its first 2 layers only, then the padded checkpoint again with SGLang's expert name mapping
+# patched to swap SWAPPED_EXPERT's gate and up (one process: SGLang's import is ~14 CPU-s).
 _DRIVER = """
 import json, sys
 from pathlib import Path
 from k3nvfp4.sglang_ext.model_check.run import CheckOptions, run_checks
-padded, broken, out, swapped = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-runs = run_checks([CheckOptions(padded), CheckOptions(broken)])
+padded, broken, trimmed = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+out, swapped = Path(sys.argv[4]), int(sys.argv[5])
+runs = run_checks([CheckOptions(padded), CheckOptions(broken), CheckOptions(trimmed, num_layers=2)])
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 mapping = FusedMoE.make_expert_params_mapping
 swap = {"w1": "w3", "w3": "w1"}
@@ -86,21 +88,21 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def single(ckpts, tmp_path_factory) -> dict:
-    """One process, one rank: the padded checkpoint, the broken copy, the misread control."""
+    """One process, one rank: the padded checkpoint, the broken copy, the trimmed-and-truncated
+    cast, the misread control."""
     tmp = tmp_path_factory.mktemp("single")
     out = tmp / "single.json"
-    proc = run_python(tmp, ["-c", _DRIVER, str(ckpts["padded"]), str(ckpts["broken"]), str(out), str(SWAPPED_EXPERT)])
+    proc = run_python(tmp, ["-c", _DRIVER, str(ckpts["padded"]), str(ckpts["broken"]), str(ckpts["trimmed"]), str(out),
+                            str(SWAPPED_EXPERT)])
     assert proc.returncode == 0, (proc.stdout[-6000:], proc.stderr[-6000:])
-    good, broken, misread = json.loads(out.read_text())
-    return {"good": good, "good_rank": good["ranks"][0], "broken": broken, "misread": misread}
+    good, broken, trimmed, misread = json.loads(out.read_text())
+    return {"good": good, "good_rank": good["ranks"][0], "broken": broken, "trimmed": trimmed, "misread": misread}
 
 
 @pytest.fixture(scope="module")
-def trimmed_truncated(ckpts, tmp_path_factory) -> dict:
+def trimmed_truncated(single) -> dict:
     """The --trim-a-log cast, built with only its first 2 layers (SGLang's num_hidden_layers override)."""
-    tmp = tmp_path_factory.mktemp("trimmed")
-    (run,) = run_selfcheck(tmp, "trimmed", "--model", str(ckpts["trimmed"]), "--layers", "2")["runs"]
-    return run
+    return single["trimmed"]
 
 
 @pytest.fixture(scope="module")
