@@ -25,14 +25,28 @@ from k3nvfp4.checkpoint.synthetic import write_synthetic_checkpoint
 from model_check_helpers import MOE_LAYERS, RSF, SHAPE, cast_checkpoint, index_names, run_python, run_selfcheck
 
 _DRIVER = """
-import json, sys
+import json, os, sys
 from pathlib import Path
 from k3nvfp4.sglang_ext.model_check.run import CheckOptions, run_checks
 mx, cast, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 runs = run_checks([CheckOptions(mx), CheckOptions(mx, routed_scaling_factor=None),
                    CheckOptions(cast, routed_scaling_factor=None)])
+# The FP4 tensor-core modes: the plugin reads K3NVFP4_ACT_QUANT when it prepares a layer's weights,
+# so one process checks each mode in turn; a marker line on stderr opens each mode's log. The
+# load line that names the mode is logged once per process: re-armed as in a fresh process.
+from k3nvfp4.sglang_ext import backend_triton
+for mode, ckpt in MODE_RUNS:
+    os.environ["K3NVFP4_ACT_QUANT"] = mode
+    backend_triton._logged_active = False
+    print(f"{MODE_MARK}{mode}", file=sys.stderr, flush=True)
+    runs += run_checks([CheckOptions(mx if ckpt == "mxfp4" else cast, num_layers=2)])
+    del os.environ["K3NVFP4_ACT_QUANT"]
+print(MODE_MARK + "end", file=sys.stderr, flush=True)
 out.write_text(json.dumps(runs))
 """
+# (K3NVFP4_ACT_QUANT, checkpoint) of test_fp4_tensor_core_modes_through_the_model_class
+MODE_RUNS = (("mxfp8", "mxfp4"), ("nvfp4", "cast"))
+MODE_MARK = "### k3nvfp4 test: act_quant "
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +58,18 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def single(ckpts, tmp_path_factory) -> dict:
-    """One process: the MXFP4 checkpoint (factor 2.5, then the checkpoint's 1.0), then its cast."""
+    """One process: the MXFP4 checkpoint (factor 2.5, then the checkpoint's 1.0), then its cast, then
+    the FP4 tensor-core modes (MODE_RUNS), each with its part of the log."""
     tmp = tmp_path_factory.mktemp("mx-single")
     out = tmp / "runs.json"
-    proc = run_python(tmp, ["-c", _DRIVER, str(ckpts["mxfp4"]), str(ckpts["cast"]), str(out)])
+    driver = f"MODE_RUNS = {MODE_RUNS!r}\nMODE_MARK = {MODE_MARK!r}\n" + _DRIVER
+    proc = run_python(tmp, ["-c", driver, str(ckpts["mxfp4"]), str(ckpts["cast"]), str(out)])
     assert proc.returncode == 0, (proc.stdout[-6000:], proc.stderr[-6000:])
-    mx, mx_rsf1, cast_rsf1 = json.loads(out.read_text())
-    return {"mx": mx, "r": mx["ranks"][0], "mx_rsf1": mx_rsf1, "cast_rsf1": cast_rsf1}
+    mx, mx_rsf1, cast_rsf1, *mode_runs = json.loads(out.read_text())
+    logs = proc.stderr.split(MODE_MARK)[1:]  # "<mode>\n<its log>" per mode, then "end"
+    assert [x.split("\n", 1)[0] for x in logs] == [m for m, _ in MODE_RUNS] + ["end"], proc.stderr[-6000:]
+    modes = {m: (run, log) for (m, _), run, log in zip(MODE_RUNS, mode_runs, logs)}
+    return {"mx": mx, "r": mx["ranks"][0], "mx_rsf1": mx_rsf1, "cast_rsf1": cast_rsf1, "modes": modes}
 
 
 def test_mxfp4_release_serves_through_the_model_class(single, ckpts):
@@ -132,19 +151,18 @@ def test_tp2_on_mxfp4(ckpts, tmp_path_factory):
     assert ranks[0]["forward"]["out_sha256"] == ranks[1]["forward"]["out_sha256"]
 
 
-@pytest.mark.parametrize("act_quant, source", [("mxfp8", "mxfp4"), ("nvfp4", "cast")])
-def test_fp4_tensor_core_modes_through_the_model_class(ckpts, tmp_path_factory, act_quant, source):
+@pytest.mark.parametrize("act_quant", [m for m, _ in MODE_RUNS])
+def test_fp4_tensor_core_modes_through_the_model_class(single, act_quant):
     """K3NVFP4_ACT_QUANT selects the FP4 tensor-core mode (decomposed here, in the interpreter): the
     layer loads FP4MMAWeights, logs the mode, and the block output stays within the mode's
-    quantization tolerance of the unquantized-activation reference, and visibly quantized."""
+    quantization tolerance of the unquantized-activation reference, and visibly quantized
+    (mxfp8 on the release, nvfp4 on the cast; two layers)."""
     from k3nvfp4.sglang_ext.model_check.forward import ACT_QUANT_TOL
 
-    tmp = tmp_path_factory.mktemp(f"mode-{act_quant}")
-    rep = run_selfcheck(tmp, act_quant, "--model", str(ckpts[source]), "--layers", "2",
-                        extra_env={"K3NVFP4_ACT_QUANT": act_quant})  # fmt: skip
-    (run,) = rep["runs"]
+    run, log = single["modes"][act_quant]
     assert run["ok"], run["problems"]
     f = run["ranks"][0]["forward"]
     assert f["act_quant"] == act_quant and f["tolerance"] == ACT_QUANT_TOL[act_quant]
     assert 1e-3 < f["err"] <= ACT_QUANT_TOL[act_quant], f  # quantized activations, within the mode's bound
-    assert f"activation quantization {act_quant}" in rep["log"]
+    assert f"activation quantization {act_quant}" in log
+    assert run["ranks"][0]["num_hidden_layers"] == 2
