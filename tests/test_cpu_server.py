@@ -44,6 +44,7 @@ def test_print_for_a_k3_checkpoint(tmp_path):
     flags = " ".join(cmd)
     assert "--moe-runner-backend torch_reference" in flags and "--device cpu" in flags and "--dtype float16" in flags
     assert "--host 127.0.0.1 --port 30002" in flags
+    assert "--sleep-on-idle" in flags  # an idle scheduler would busy-poll a core
     # The tokenizer folder, written once into the cache; the extra flag after the CPU ones.
     tok = tmp_path / "cache" / cpu_server.TOKENIZER_DIR_NAME
     assert f"--tokenizer-path {tok}" in flags and (tok / "processing_tiny_k3.py").is_file()
