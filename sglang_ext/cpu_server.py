@@ -11,8 +11,9 @@ with the production launch of k3nvfp4.sglang_ext.launch for one node plus:
 - environment: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's CPU engine), ``SGLANG_PLUGINS=k3nvfp4``,
   ``TRITON_INTERPRET=1`` (Triton kernels, the plugin's and SGLang's, run in Triton's
   interpreter), ``TORCHDYNAMO_DISABLE=1`` unless set (SGLang's torch.compile'd functions run
-  eagerly instead of compiling C++ on their first calls), ``K3NVFP4_SGLANG_CPU=1`` and k3nvfp4/sglang_ext/cpu/pythonpath first on
-  PYTHONPATH (the CPU workarounds and the sgl_kernel stand-in; k3nvfp4.sglang_ext.cpu);
+  eagerly instead of compiling C++ on their first calls), ``K3NVFP4_SGLANG_CPU=1`` and
+  k3nvfp4/sglang_ext/cpu/pythonpath first on PYTHONPATH (the CPU workarounds and the sgl_kernel
+  stand-in; k3nvfp4.sglang_ext.cpu);
 - CPU_FLAGS: CPU device, torch attention, no CUDA graphs, no warm-up request, a scheduler that
   sleeps while idle (it busy-polls otherwise: a core per idle server), a small KV pool;
 - for a Kimi-K3 checkpoint (config.json model_type kimi_k3) K3_CPU_FLAGS, and a

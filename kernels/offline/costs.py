@@ -50,6 +50,17 @@ FP4_ARCH = 100
 Section = tuple[str, int, str]  # (Triton major.minor, arch, mode)
 
 
+def _row(m: dict) -> Row:
+    """A table row from one measurement (offline/compile*.py's dict)."""
+    return (m["instructions_per_iteration"], m["registers"], m["shared_bytes"], m["local_bytes"])
+
+
+def _worst(measurements: list[dict]) -> Row:
+    """The worst of a tile's shipped epilogues, field by field: ptxas allocates registers for the
+    whole kernel, so any epilogue can cost a CTA per SM."""
+    return tuple(max(col) for col in zip(*map(_row, measurements)))
+
+
 # ---------------------------------------------------------------------------------------------- W4A16
 
 
@@ -77,12 +88,9 @@ def measure_w4a16_tile(tile: Tile, arch: int, fmt=None) -> Row:
     from ..moe_details.layout import E5M3_16
     from .compile import measure_gemm
 
-    rows = []
-    for atomic, split in _w4a16_variants(tile):
-        m = measure_gemm(tile.kind, w4a16_config_for(tile, atomic, split), 3584, 3072, 16, arch,
-                         scale_fmt=(fmt or E5M3_16).kernel_id)
-        rows.append((m["instructions_per_iteration"], m["registers"], m["shared_bytes"], m["local_bytes"]))
-    return tuple(max(col) for col in zip(*rows))
+    return _worst([measure_gemm(tile.kind, w4a16_config_for(tile, atomic, split), 3584, 3072, 16, arch,
+                                scale_fmt=(fmt or E5M3_16).kernel_id)
+                   for atomic, split in _w4a16_variants(tile)])
 
 
 def measure_w4a16(arch: int, fmt=None, progress: bool = True, tiles=None) -> dict[str, Row]:
@@ -128,7 +136,7 @@ def measure_fp4(act_quant: str, progress: bool = True) -> dict[str, Row]:
     out = {}
     for label, (kind, cfg) in sorted(fp4_table_configs().items()):
         r = measure_fp4_gemm(kind, act_quant, replace(cfg, split_k1=1, split_k2=1), arch=FP4_ARCH)
-        out[label] = (r["instructions_per_iteration"], r["registers"], r["shared_bytes"], r["local_bytes"])
+        out[label] = _row(r)
         if progress:
             print(f"{act_quant} {label}: {out[label]}", file=sys.stderr, flush=True)
     return out
@@ -154,15 +162,11 @@ def _w4a8_job(job: tuple) -> tuple[str, Row]:
     from .compile_w4a8 import measure_w4a8_gemm
 
     label, kind, cfg, weight_block = job
-    # Both epilogues a tile ships with, the worst field by field: ptxas allocates registers for the
-    # whole kernel and neither variant is always the larger (the MXFP4 GEMM1 tile bm16 bn128 bk64
-    # w4 s3 takes 176 registers at split-K 1 and 168 at split-K 2 with Triton 3.6).
-    rows = []
-    for split in (1, 2):
-        m = measure_w4a8_gemm(kind, replace(cfg, split_k1=split, split_k2=split), 3584, 3072, 16, W4A8_ARCH,
-                              weight_block)
-        rows.append((m["instructions_per_iteration"], m["registers"], m["shared_bytes"], m["local_bytes"]))
-    return label, tuple(max(col) for col in zip(*rows))
+    # Both epilogues a tile ships with: neither is always the larger (the MXFP4 GEMM1 tile bm16
+    # bn128 bk64 w4 s3 takes 176 registers at split-K 1 and 168 at split-K 2 with Triton 3.8).
+    return label, _worst([measure_w4a8_gemm(kind, replace(cfg, split_k1=split, split_k2=split), 3584, 3072, 16,
+                                            W4A8_ARCH, weight_block)
+                          for split in (1, 2)])
 
 
 def measure_w4a8(weight_block: int, progress: bool = True, workers: int = 1) -> dict[str, Row]:
