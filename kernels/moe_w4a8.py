@@ -35,7 +35,7 @@ from .moe_details.routing import SMALL_NUM_WARPS, AlignedRouting, align_routing_
 from .moe_details.skeleton import arrival_counters, split_k_partials, top_k_buffer
 from .moe_details.validate import validate_moe_inputs
 from .moe_w4a8_details import kernels as _k
-from .moe_w4a8_details.config import ACT_GROUP, W4A8Config
+from .moe_w4a8_details.config import ACT_GROUP, W4A8Config, get_w4a8_config
 from .moe_w4a8_details.weights import W4A8_PREPARE_HINT, W4A8MoEWeights
 from .target import capability
 
@@ -131,8 +131,8 @@ def run_w4a8(
     if M == 0:
         empty = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
         return W4A8Run(out, empty, empty.float(), empty, empty.float(), None, None)
-    cfg = config or W4A8Config.heuristic(E, H, I, k, M, num_global_experts=num_global_experts,
-                                         weight_block=weights.block)
+    cfg = config or get_w4a8_config(E, H, I, k, M, num_global_experts=num_global_experts,
+                                    weight_block=weights.block)
     cfg.check(H, I)
     ng_h, ng_i = -(-H // ACT_GROUP), -(-I // ACT_GROUP)
     aq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=device)

@@ -1,5 +1,11 @@
 """``k3nvfp4-tune``: search the fused NVFP4 MoE launch configs for one shape on this GPU.
 
+``--mode`` picks the kernel mode tuned: "none" (W4A16, MoEConfig, described below) or "e4m3" (the
+Hopper W4A8 mode, W4A8Config: random MXFP4 experts prepared by the mode, each candidate checked
+against fused_moe_w4a8_reference, its own file name; docs/tuning.md). What differs per mode (config
+class, spaces, start config, weights, reference, launch check, file name) is
+tune_details/modes.py; the search, timing, files and resume below are the same for both.
+
 For each batch size M the tuner builds random NVFP4 expert weights and realistic routing
 (sigmoid scores with a skewed per-expert bias, ``top_k`` distinct experts per token; ids of
 experts outside this rank's range become -1), then for every candidate :class:`MoEConfig`:
@@ -55,9 +61,10 @@ from .moe_details.config import (
     config_file_name,
     user_config_dir,
 )
-from .moe_details.weights import NVFP4MoEWeights
 from .target import capability, current_device_name
-from .testing import kimi_routing, random_nvfp4_moe_weights
+from .testing import kimi_routing
+from .tune_details.modes import SPACE_NAMES as _SPACE_NAMES
+from .tune_details.modes import TUNED_MODES
 
 PARTIAL_SUFFIX = ".partial.json"
 _PARTIAL_VERSION = 1
@@ -143,10 +150,12 @@ def shape_from_model_config(path: str | os.PathLike, tp_size: int = 1, ep_size: 
 # Synthetic problem (also used by bench/bench_moe.py)
 
 
-def problem_weights(shape: TuneShape, device: torch.device | str, seed: int = 0) -> NVFP4MoEWeights:
-    """The tuner's and bench_moe's experts: random NVFP4 weights (uniform codes, mantissa-bearing
-    E4M3 block scales, gate != up scale_2), see :func:`testing.random_nvfp4_moe_weights`."""
-    return random_nvfp4_moe_weights(shape.E, shape.H, shape.I, device=device, seed=seed, block_scales="uniform")
+def problem_weights(shape: TuneShape, device: torch.device | str, seed: int = 0, mode: str = "none"):
+    """The tuner's and bench_moe's experts, prepared for ``mode``: for "none" (W4A16) random NVFP4
+    weights (NVFP4MoEWeights: uniform codes, mantissa-bearing E4M3 block scales, gate != up
+    scale_2, see :func:`testing.random_nvfp4_moe_weights`); for "e4m3" random MXFP4 release
+    tensors (:func:`testing.random_mxfp4_tensors`) prepared by the mode (W4A8MoEWeights)."""
+    return TUNED_MODES[mode].weights(shape, torch.device(device), seed)
 
 
 def problem_routing(
@@ -172,36 +181,8 @@ def normwise_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 # Search space
 
 
-# Each stage: field -> candidate values; the product of a stage's fields is tried around the
-# best config so far. Values that make an invalid MoEConfig are skipped.
-_SPACES: dict[str, list[dict[str, list]]] = {
-    # CPU / interpreter functional check: 2 configs.
-    "tiny": [{"block_n1": [16, 32]}],
-    # gpu_check.sh: a few configs per batch size around the heuristic.
-    "small": [
-        {"block_m": ["~"]},
-        {"split_k1": [1, 2, 4]},
-        {"split_k2": [1, 2]},
-    ],
-    "default": [
-        {"block_m": ["~"]},
-        {"block_n1": [32, 64, 128], "split_k1": [1, 2, 4, 8]},
-        {"block_k1": [64, 128, 256], "num_warps1": [4, 8], "num_stages1": [2, 3, 4]},
-        {"block_n2": [32, 64, 128, 256], "split_k2": [1, 2, 4]},
-        {"block_k2": [64, 128, 256], "num_warps2": [4, 8], "num_stages2": [2, 3, 4]},
-        {"atomic_reduce": [False, True]},
-    ],
-    # Wider staged search (block_m over the whole ladder is still local to the heuristic).
-    "wide": [
-        {"block_m": ["~"]},
-        {"block_n1": [16, 32, 64, 128], "split_k1": [1, 2, 4, 8], "num_warps1": [4, 8]},
-        {"block_k1": [64, 128, 256], "num_stages1": [2, 3, 4, 5]},
-        {"block_n2": [32, 64, 128, 256], "split_k2": [1, 2, 4, 8], "num_warps2": [4, 8]},
-        {"block_k2": [64, 128, 256], "num_stages2": [2, 3, 4, 5]},
-        {"atomic_reduce": [False, True]},
-    ],
-}
-SPACE_NAMES = tuple(_SPACES)
+# The search spaces, start configs, weights and references of each mode: tune_details/modes.py.
+SPACE_NAMES = _SPACE_NAMES
 
 
 def _block_m_choices(base: MoEConfig) -> list[dict]:
@@ -215,13 +196,15 @@ def _block_m_choices(base: MoEConfig) -> list[dict]:
     return out
 
 
-def _expand_stage(stage: dict[str, list], best: MoEConfig) -> list[MoEConfig]:
+def _expand_stage(stage: dict[str, list], best):
+    """The configs of one stage around ``best`` (a MoEConfig or W4A8Config): the product of the
+    stage's fields, de-duplicated; combinations the config class refuses are dropped."""
     choices: list[dict] = [{}]
     for field, values in stage.items():
         if values == ["~"]:  # block_m ladder (with swap_ab)
             options = _block_m_choices(best)
-        else:
-            options = [{field: v} for v in values]
+        else:  # a dict value sets several fields together (e4m3: block_m with its num_warps)
+            options = [v if isinstance(v, dict) else {field: v} for v in values]
         choices = [{**c, **o} for c in choices for o in options]
     out: dict[MoEConfig, None] = {}  # ordered, de-duplicated
     for c in choices:
@@ -233,18 +216,15 @@ def _expand_stage(stage: dict[str, list], best: MoEConfig) -> list[MoEConfig]:
     return list(out)
 
 
-def base_config(space: str, shape: TuneShape, M: int) -> MoEConfig:
-    """Starting point of the search: the run-time heuristic (tiny: small blocks for tiny shapes)."""
-    if space == "tiny":
-        return MoEConfig(
-            block_m=16, swap_ab=False, block_n1=16, block_k1=32, split_k1=1, num_warps1=4, num_stages1=1,
-            block_n2=16, block_k2=32, split_k2=1, num_warps2=4, num_stages2=1, atomic_reduce=False,
-        )  # fmt: skip
-    return MoEConfig.heuristic(shape.E, shape.H, shape.I, shape.top_k, M, num_global_experts=shape.global_experts)
+def base_config(space: str, shape: TuneShape, M: int, mode: str = "none"):
+    """Starting point of the search: the run-time heuristic of ``mode`` ("none": W4A16's
+    MoEConfig, "e4m3": W4A8Config; tiny: small blocks for tiny shapes)."""
+    return TUNED_MODES[mode].base(space, shape, M)
 
 
-def stages(space: str) -> list[dict[str, list]]:
-    return _SPACES[space]
+def stages(space: str, mode: str = "none") -> list[dict[str, list]]:
+    """The stages of a search space for ``mode`` (tune_details/modes.py)."""
+    return TUNED_MODES[mode].spaces[space]
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,9 +284,9 @@ class Timer:
 # Results files (written with files.write_json_atomic)
 
 
-def _shape_key(shape: TuneShape, device_name: str, space: str, dtype: str, activation: str) -> dict:
+def _shape_key(shape: TuneShape, device_name: str, space: str, dtype: str, activation: str, mode: str = "none") -> dict:
     return {**dataclasses.asdict(shape), "device_name": device_name, "space": space, "dtype": dtype,
-            "activation": activation}  # fmt: skip
+            "activation": activation, "mode": mode}  # fmt: skip
 
 
 def load_partial(path: pathlib.Path, key: dict) -> dict[str, dict]:
@@ -353,33 +333,37 @@ def tune_batch_size(
     deadline: float | None,
     progress: bool,
     launch_check: Callable[[MoEConfig], str | None] | None = None,
+    mode: str = "none",
 ) -> tuple[Candidate | None, list[Candidate], bool]:
     """Staged search for one batch size. Returns (best, all tried, complete).
 
+    mode: the kernel mode tuned ("none": W4A16, MoEConfig; "e4m3": the Hopper W4A8 mode,
+    W4A8Config), whose prepared ``weights`` choose the kernels of each call.
     launch_check(cfg) -> reason or None: configs it rejects (cannot launch on the device, or
     spill registers; see :func:`offline_launch_check`) are recorded with the reason and never
     run or timed."""
     from tqdm import tqdm
 
-    from .moe import fused_moe_nvfp4, fused_moe_nvfp4_reference
+    from .moe import fused_moe_nvfp4
 
+    tuned = TUNED_MODES[mode]
     x = torch.randn(M, shape.H, generator=torch.Generator(device=device).manual_seed(seed + M), device=device)
     x = x.to(dtype)
     topk_weights, topk_ids = problem_routing(M, shape, device, seed=seed + 7 * M, expert_offset=expert_offset)
     kw = dict(activation=GatedActivation.parse(activation))
-    ref = fused_moe_nvfp4_reference(x, weights, topk_weights, topk_ids, **kw).float()
+    ref = tuned.reference(x, weights, topk_weights, topk_ids, kw["activation"]).float()
     out = torch.empty(M, shape.H, dtype=dtype, device=device)
 
     best: Candidate | None = None
     tried: list[Candidate] = []
     seen: set[MoEConfig] = set()
     complete = True
-    current = base_config(space, shape, M)
+    current = base_config(space, shape, M, mode)
     # The configs of one batch size: a nested bar on a terminal only (in a log, nested bars leave
     # cursor-movement codes; the outer status line names the batch size instead).
     bar = tqdm(desc=f"M={M}", unit="cfg", leave=False, disable=not (progress and is_terminal(sys.stderr)),
                file=sys.stderr)
-    for stage in stages(space):
+    for stage in stages(space, mode):
         for cfg in _expand_stage(stage, current):
             if cfg in seen:
                 continue
@@ -392,7 +376,7 @@ def tune_batch_size(
             cand = Candidate(cfg)
             tried.append(cand)
             bar.update(1)
-            reason = launch_check(cfg) if launch_check is not None else None
+            reason = tuned.invalid(cfg, shape) or (launch_check(cfg) if launch_check is not None else None)
             if reason:
                 cand.note = f"skipped: {reason}"
                 continue
@@ -422,25 +406,27 @@ def tune_batch_size(
     return best, tried, complete
 
 
-def offline_launch_check(shape: "TuneShape", arch: int, device_model=None) -> Callable[[MoEConfig], str | None]:
+def offline_launch_check(shape: "TuneShape", arch: int, device_model=None, mode: str = "none") -> Callable:
     """A launch_check for tune_batch_size: compiles both GEMMs of a config offline for sm<arch>
     (no launch) and rejects it when either cannot launch on the device (shared memory or
     registers over its per-block limits, k3nvfp4.kernels.perf_model.occupancy) or uses local
     memory (register spills), which no shipped config may do. device_model: a perf_model.Device
-    (None: the H200 below arch 100, the B200 from 100). Cached per GEMM launch (MoEConfig.gemm)."""
+    (None: the H200 below arch 100, the B200 from 100). mode: the configs' kernel mode
+    (tune_details/modes.py: "none" MoEConfig, "e4m3" W4A8Config). Cached per GEMM launch."""
     from . import perf_model
-    from .offline.compile import measure_gemm
+
+    tuned = TUNED_MODES[mode]
 
     if device_model is None:
         device_model = perf_model.B200 if arch >= 100 else perf_model.H200
     verdicts: dict = {}
 
-    def check(cfg: MoEConfig) -> str | None:
+    def check(cfg) -> str | None:
         for kind in ("gemm1", "gemm2"):
-            key = cfg.gemm(kind)
+            key = tuned.gemm_key(kind, cfg)
             if key not in verdicts:
                 try:
-                    cost = measure_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch)["loop_cost"]
+                    cost = tuned.measure(kind, cfg, shape, arch)
                 except Exception:  # compile errors are reported by the timed run itself
                     return None
                 ctas, why = perf_model.occupancy(device_model, cost.registers, 32 * cost.num_warps, cost.shared_bytes)
@@ -526,6 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "alone it implies --tp-size = --ep-size, as in SGLang's TP16/EP16)")  # fmt: skip
     p.add_argument("--batch-sizes", type=_parse_batch_sizes, default=None,
                    help=f"comma list (default {DEFAULT_BATCH_SIZES}; cpu: 1,3)")  # fmt: skip
+    p.add_argument("--mode", choices=tuple(TUNED_MODES), default="none",
+                   help="kernel mode to tune: none (W4A16, the default mode) or e4m3 (the Hopper W4A8 mode: FP8 "
+                        "activations, needs an sm89+ GPU or --device cpu, H and I multiples of 64; its file is read "
+                        "by calls on MXFP4-release weights, docs/w4a8.md)")  # fmt: skip
     p.add_argument("--space", choices=SPACE_NAMES, default=None,
                    help="search space: tiny (2 configs), small (<= 10 per batch size), default (staged, <= 67), "
                         "wide (staged, <= 95); "
@@ -545,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed runs per config (cuda 5, cpu 1)")
     p.add_argument("--iters", type=int, default=None, help="timed runs per config, median taken (cuda 50, cpu 2)")
     p.add_argument("--tol", type=float, default=None,
-                   help="max normwise error vs the reference (default 2e-2 bf16/fp16, 1e-4 fp32)")  # fmt: skip
+                   help="max normwise error vs the mode's reference (default: e4m3 1e-2; else 2e-2 bf16/fp16, 1e-4 fp32)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights and routing")
     p.add_argument("--no-resume", action="store_true", help="ignore (and overwrite) partial results")
     p.add_argument("--no-progress", action="store_true", help="no bars: a status line every $K3NVFP4_PROGRESS_INTERVAL s (default 30) instead, as without a terminal")
@@ -594,11 +584,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     shape = _resolve_shape(args, p)
+    tuned_mode = TUNED_MODES[args.mode]
+    if args.mode == "e4m3" and (shape.H % 64 or shape.I % 64):
+        p.error(f"--mode e4m3 needs H and I multiples of 64 (H = {shape.H}, I = {shape.I})")
+    if args.mode == "e4m3" and not cpu:
+        from .moe_w4a8 import check_w4a8_supported
+
+        try:
+            check_w4a8_supported(torch.device("cuda"))
+        except RuntimeError as e:
+            print(f"k3nvfp4-tune: --mode e4m3: {e}", file=sys.stderr)
+            return 2
     device = torch.device("cpu" if cpu else "cuda")
     space = args.space or ("tiny" if cpu else "default")
     dtype_name = args.dtype or ("fp32" if cpu else "bf16")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-    tol = args.tol if args.tol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
+    tol = args.tol if args.tol is not None else (
+        tuned_mode.default_tol or (1e-4 if dtype == torch.float32 else 2e-2))
     warmup = args.warmup if args.warmup is not None else (1 if cpu else 5)
     iters = args.iters if args.iters is not None else (2 if cpu else 50)
     if warmup < 0 or iters < 1:
@@ -606,16 +608,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch_sizes = args.batch_sizes or _parse_batch_sizes("1,3" if cpu else DEFAULT_BATCH_SIZES)
     device_name = current_device_name() if not cpu else "cpu"
     out_dir = pathlib.Path(args.out_dir) if args.out_dir else config_dir()
-    final_path = out_dir / config_file_name(shape.E, shape.H, shape.I, device_name)
+    final_path = out_dir / config_file_name(shape.E, shape.H, shape.I, device_name, tuned_mode.file_dtype)
     partial_path = final_path.with_name(final_path.name + PARTIAL_SUFFIX)
-    key = _shape_key(shape, device_name, space, dtype_name, args.activation)
+    key = _shape_key(shape, device_name, space, dtype_name, args.activation, args.mode)
 
     t_start = time.monotonic()
     deadline = t_start + args.time_budget if args.time_budget else None
     done = {} if args.no_resume else load_partial(partial_path, key)
     todo = [m for m in coverage_order(batch_sizes) if str(m) not in done]
     print(
-        f"k3nvfp4-tune: {shape.describe()} on {device_name} ({'interpreter, wall clock' if cpu else 'CUDA events'}), "
+        f"k3nvfp4-tune: {shape.describe()}, mode {args.mode}, on {device_name} ({'interpreter, wall clock' if cpu else 'CUDA events'}), "
         f"space={space}, dtype={dtype_name}; batch sizes {batch_sizes}"
         + (f"; resuming: {len(batch_sizes) - len(todo)} already done in {partial_path.name}" if len(todo) < len(batch_sizes) else ""),
         file=sys.stderr,
@@ -623,12 +625,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results: dict[str, dict] = dict(done)
     if todo:
-        weights = problem_weights(shape, device, seed=args.seed)
+        weights = problem_weights(shape, device, seed=args.seed, mode=args.mode)
         timer = Timer(device, warmup, iters)
         launch_check = None
         if device.type == "cuda":
             major, minor = capability(device)
-            launch_check = offline_launch_check(shape, 10 * major + minor, device_model_of(device))
+            launch_check = offline_launch_check(shape, 10 * major + minor, device_model_of(device), args.mode)
         # A bar on a terminal; in a log (or with --no-progress) a status line every interval.
         outer = progress_bar(len(todo), "tuning", bars=not args.no_progress, unit="batch sizes")
         try:
@@ -640,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 best, tried, complete = tune_batch_size(
                     M, shape, weights, space, timer, device=device, dtype=dtype, activation=args.activation,
                     tol=tol, seed=args.seed, expert_offset=0, max_configs=args.max_configs, deadline=deadline,
-                    progress=not args.no_progress, launch_check=launch_check,
+                    progress=not args.no_progress, launch_check=launch_check, mode=args.mode,
                 )  # fmt: skip
                 for c in tried:
                     if c.note:

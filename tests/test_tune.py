@@ -21,7 +21,10 @@ from k3nvfp4.kernels.moe_details.config import (
     config_file_name,
     get_moe_config,
     load_moe_configs,
+    load_tuned_configs,
 )
+from k3nvfp4.kernels.moe_w4a8_details.config import W4A8Config
+from k3nvfp4.kernels.tune_details.modes import TUNED_MODES
 
 K3_TEXT_CONFIG = {
     "hidden_size": 7168,
@@ -132,6 +135,9 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as e:
         tune.main(["--E", "4", "--device", "cpu"])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:  # the e4m3 mode's kernels step K by 64
+        tune.main(["--mode", "e4m3", "--E", "4", "--H", "96", "--I", "128", "--top-k", "2", "--device", "cpu"])
+    assert e.value.code == 2 and "--mode e4m3 needs H and I multiples of 64 (H = 96, I = 128)" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
@@ -204,7 +210,8 @@ def test_offline_launch_check_measures_real_compiles():
     shared memory exceeds the H200's 227 KiB per block (GEMM1 bm128 noswap bn64 bk256 at 3
     stages: 266,240 B with 1-byte block scales (270,336 with the former bf16 ones: 2 buffered
     stages x 2,048 B of scales), which Triton would refuse at launch) and one that spills registers, and
-    passes a shipped decode config."""
+    passes a shipped decode config; for the e4m3 mode, passes its decode tile and rejects GEMM1's
+    64-token tile at K steps of 128, which spills (docs/w4a8.md)."""
     import os
     import subprocess
     import sys
@@ -216,17 +223,24 @@ def test_offline_launch_check_measures_real_compiles():
         "ok = MoEConfig(block_m=16, swap_ab=True, block_n1=64, block_k1=256, num_warps1=4);"
         "big = MoEConfig(block_m=128, swap_ab=False, block_n1=64, block_k1=256, num_warps1=8, num_stages1=3);"
         "spill = MoEConfig(block_m=64, swap_ab=True, block_n1=32, block_k1=256, num_warps1=2);"
-        "print(repr(check(ok)));print(check(big));print(check(spill))"
+        "print(repr(check(ok)));print(check(big));print(check(spill));"
+        # the e4m3 mode's configs through the same check (its own compile, compile_w4a8)
+        "from k3nvfp4.kernels.moe_w4a8_details.config import W4A8Config;"
+        "check8 = offline_launch_check(TuneShape(56, 3584, 3072, 16, 896), 90, mode='e4m3');"
+        "print(repr(check8(W4A8Config(block_m=16, num_warps=4))));"
+        "print(check8(W4A8Config(block_m=64, num_warps=8, block_k1=128)))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip(f"Triton's offline compile is unavailable: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ok, big, spill = proc.stdout.strip().splitlines()
+    ok, big, spill, ok8, spill8 = proc.stdout.strip().splitlines()
     assert ok == "None"
     assert big == "gemm1 cannot launch on H200: shared memory 266240 B > 232448 B per block", big
     assert spill.startswith("gemm1 spills ") and spill.endswith("bytes of local memory per thread (sm_90)"), spill
+    assert ok8 == "None"
+    assert spill8.startswith("gemm1 spills ") and spill8.endswith("bytes of local memory per thread (sm_90)"), spill8
 
 
 def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch, capsys):
@@ -291,6 +305,70 @@ def test_tune_end_to_end_resume_and_lookup(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(CONFIG_DIR_ENV, str(out_dir))
     assert get_moe_config(E, H, I, k, 10, device_name=device_name) == tuned[3]
     assert tuned[3] != MoEConfig.heuristic(E, H, I, k, 10)
+
+
+def test_e4m3_search_spaces_hold_valid_configs_around_its_heuristic():
+    """--mode e4m3 searches W4A8Config (never MoEConfig) around W4A8Config.heuristic; every stage
+    leaves configs that the mode can run at K3's EP16 and TP16 shards."""
+    for shape in (tune.TuneShape(56, 3584, 3072, 16, 896), tune.TuneShape(896, 3584, 192, 16, 896)):
+        for M in (1, 64, 4096):
+            base = tune.base_config("default", shape, M, mode="e4m3")
+            assert base == W4A8Config.heuristic(shape.E, shape.H, shape.I, 16, M, num_global_experts=896,
+                                                weight_block=32)
+            for space in ("small", "default", "wide"):
+                for stage in tune.stages(space, mode="e4m3"):
+                    cands = tune._expand_stage(stage, base)
+                    assert cands and all(isinstance(c, W4A8Config) for c in cands), (space, stage)
+                    valid = [c for c in cands if TUNED_MODES["e4m3"].invalid(c, shape) is None]
+                    assert valid, (shape, space, stage)
+    tiles = tune._expand_stage(tune.stages("small", "e4m3")[0], tune.base_config("small", shape, 1, "e4m3"))
+    assert sorted((c.block_m, c.num_warps) for c in tiles) == [(16, 4), (32, 4), (64, 8)]
+    assert TUNED_MODES["e4m3"].invalid(W4A8Config(block_k2=128), shape) == "config.block_k2 = 128 must be 64 or 128 and divide 192"
+
+
+def test_e4m3_mode_tunes_into_its_own_file_and_its_calls_read_it(tmp_path, monkeypatch):
+    """k3nvfp4-tune --mode e4m3 (interpreter on CPU): every candidate is checked against
+    fused_moe_w4a8_reference (the fast wrong config never wins), the file is named for the mode
+    and weight block (a W4A16 lookup of the shape finds nothing), and a W4A8 call without a
+    config runs the tuned config, not the heuristic's."""
+    from k3nvfp4.kernels.moe_w4a8 import run_w4a8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    E, H, I, k = 2, 128, 128, 2
+    out_dir = tmp_path / "configs"
+    argv = ["--device", device, "--mode", "e4m3", "--E", str(E), "--H", str(H), "--I", str(I), "--top-k", str(k),
+            "--batch-sizes", "3", "--space", "tiny", "--warmup", "0", "--iters", "1", "--out-dir", str(out_dir),
+            "--report", str(tmp_path / "report.json"), "--no-progress"]  # fmt: skip
+    real = moe.fused_moe_nvfp4
+
+    def wrong_when_wide(x, weights, tw, ids, *, config=None, out=None, **kw):
+        assert isinstance(config, W4A8Config)
+        if config.block_n2 == 128:  # instant and wrong: the fastest candidate, never to be chosen
+            return out.zero_()
+        return real(x, weights, tw, ids, config=config, out=out, **kw)
+
+    monkeypatch.setattr(moe, "fused_moe_nvfp4", wrong_when_wide)
+    assert tune.main(argv) == 0
+    device_name = current_device_name() if device == "cuda" else "cpu"
+    name = config_file_name(E, H, I, device_name, "w4a8_e4m3_b32")
+    assert sorted(p.name for p in out_dir.iterdir()) == [name]
+    tuned = load_tuned_configs(name, W4A8Config, out_dir)
+    assert tuned == {3: tune.base_config("tiny", None, 3, "e4m3")}
+    tried = {c["config"]["block_n2"]: c for c in json.loads((tmp_path / "report.json").read_text())["results"]["3"]["tried"]}
+    assert tried[128]["note"].startswith("wrong result") and tried[128]["time_us"] is None
+    assert tried[64]["time_us"] > 0 and tried[64]["error"] <= 1e-2
+    assert load_moe_configs(E, H, I, device_name, directory=out_dir) is None
+
+    monkeypatch.setattr(moe, "fused_moe_nvfp4", real)
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(out_dir))
+    shape = tune.TuneShape(E, H, I, k, E)
+    weights = tune.problem_weights(shape, device, mode="e4m3")
+    x = torch.randn(3, H, device=device)
+    tw, ids = tune.problem_routing(3, shape, device)
+    assert tuned[3] != W4A8Config.heuristic(E, H, I, k, 3, weight_block=32)
+    assert run_w4a8(x, weights, tw, ids).config == tuned[3]
+    monkeypatch.delenv(CONFIG_DIR_ENV)
+    assert run_w4a8(x, weights, tw, ids).config == W4A8Config.heuristic(E, H, I, k, 3, weight_block=32)
 
 
 def test_bench_moe_smoke(tmp_path):

@@ -236,9 +236,11 @@ def _tiles() -> tuple[Tile, ...]:
 TILES = _tiles()
 
 
-def config_file_name(E: int, H: int, I: int, device_name: str) -> str:
-    """File name of the tuned configs of one shape on one device (SGLang style)."""
-    return f"E={E},N={I},H={H},device_name={device_name},dtype=nvfp4.json"
+def config_file_name(E: int, H: int, I: int, device_name: str, dtype: str = "nvfp4") -> str:
+    """File name of the tuned configs of one shape on one device (SGLang style). dtype names the
+    kernel mode the configs are for: "nvfp4" (W4A16, MoEConfig), "w4a8_e4m3_b16" / "w4a8_e4m3_b32"
+    (the Hopper W4A8 mode's W4A8Config, per weight block: moe_w4a8_details/config.py)."""
+    return f"E={E},N={I},H={H},device_name={device_name},dtype={dtype}.json"
 
 
 def user_config_dir() -> pathlib.Path:
@@ -262,37 +264,52 @@ def config_dirs() -> tuple[pathlib.Path, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _load_configs_cached(path: str, mtime_ns: int) -> dict[int, MoEConfig]:
+def _load_configs_cached(path: str, mtime_ns: int, config_type: type) -> dict[int, object]:
     with open(path) as f:
         raw = json.load(f)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object mapping batch sizes to configs")
-    out: dict[int, MoEConfig] = {}
+    out: dict[int, object] = {}
     for key, value in raw.items():
         try:
             m = int(key)
         except ValueError as e:
             raise ValueError(f"{path}: key {key!r} is not a batch size") from e
         try:
-            out[m] = MoEConfig.from_dict(value)
+            out[m] = config_type.from_dict(value)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: batch size {key}: {e}") from e
     return out
 
 
-def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -> dict[int, MoEConfig] | None:
-    """Tuned configs {batch size: MoEConfig} of a shape and device from ``directory``, else from the
-    first of :func:`config_dirs` that has the file; None when none has it."""
-    name = config_file_name(E, H, I, device_name)
+def load_tuned_configs(name: str, config_type: type, directory=None) -> dict[int, object] | None:
+    """Tuned configs {batch size: config_type} from the file ``name`` (:func:`config_file_name`) in
+    ``directory``, else in the first of :func:`config_dirs` that has it; None when none has it.
+    config_type: the mode's config class (its ``from_dict`` parses one entry)."""
     for d in (pathlib.Path(directory),) if directory is not None else config_dirs():
         path = d / name
-        try:  # a stat or two per call (this runs on every fused_moe_nvfp4 call without a config)
+        try:  # a stat or two per call (this runs on every call without a config)
             st = path.stat()
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode):
-            return _load_configs_cached(str(path), st.st_mtime_ns)
+            return _load_configs_cached(str(path), st.st_mtime_ns, config_type)
     return None
+
+
+def nearest_tuned(tuned: dict[int, object] | None, M: int):
+    """The tuned config of the batch size nearest M in log space, or None when there is none
+    within a factor of 4 (a partly tuned file must not hand M=1's config to M=16384)."""
+    if not tuned:
+        return None
+    m = max(M, 1)
+    nearest = min(tuned, key=lambda t: (abs(math.log2(max(t, 1) / m)), t))
+    return tuned[nearest] if max(nearest, m) <= _MAX_TUNED_DISTANCE * min(max(nearest, 1), m) else None
+
+
+def load_moe_configs(E: int, H: int, I: int, device_name: str, directory=None) -> dict[int, MoEConfig] | None:
+    """Tuned W4A16 configs {batch size: MoEConfig} of a shape and device (:func:`load_tuned_configs`)."""
+    return load_tuned_configs(config_file_name(E, H, I, device_name), MoEConfig, directory)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -387,12 +404,8 @@ def get_moe_config(
     num_global_experts: the experts top-k ids range over, None = E)."""
     if device_name is None:
         device_name = current_device_name()
-    tuned = load_moe_configs(E, H, I, device_name, directory)
-    if tuned:
-        # Nearest in log space: a partly tuned file must not hand M=1's config to M=16384.
-        m = max(M, 1)
-        nearest = min(tuned, key=lambda t: (abs(math.log2(max(t, 1) / m)), t))
-        if max(nearest, m) <= _MAX_TUNED_DISTANCE * min(max(nearest, 1), m):
-            return tuned[nearest]
+    tuned = nearest_tuned(load_moe_configs(E, H, I, device_name, directory), M)
+    if tuned is not None:
+        return tuned
     return MoEConfig.heuristic(E, H, I, top_k, M, arch=arch, num_global_experts=num_global_experts,
                                scale_format=scale_format)

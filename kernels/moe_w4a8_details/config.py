@@ -12,10 +12,13 @@ back to a shape rule (:func:`shape_rule`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, replace
 
 from ..costs import Tile, loop_costs
+from ..moe_details.config import config_file_name, load_tuned_configs, nearest_tuned
+from ..target import current_device_name
 
 # The activations' and the intermediate's scale group (docs/w4a8.md: one fp32 scale amax / 448 per
 # token per 128 columns).
@@ -61,6 +64,26 @@ class W4A8Config:
         return (f"bm{self.block_m} swap bn{self.block_n1}/{self.block_n2} bk{self.block_k1}/{self.block_k2} "
                 f"sk{self.split_k1}/{self.split_k2} w{self.num_warps} s{self.num_stages}"
                 + (" atomic" if self.atomic_reduce else ""))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "W4A8Config":
+        """The config of one tuned-file entry; unknown keys are refused by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"W4A8Config: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+        return cls(**d)
+
+    @staticmethod
+    def tuned_dtype(weight_block: int) -> str:
+        """The dtype field of this mode's tuned-config file names (moe_details.config.config_file_name):
+        "w4a8_e4m3_b16" (weights from ModelOpt NVFP4) or "w4a8_e4m3_b32" (from MXFP4); the two
+        have their own tile costs, so they are tuned apart."""
+        W4A8Config.cost_mode(weight_block)  # refuses another block by name
+        return f"w4a8_e4m3_b{weight_block}"
 
     def tile(self, kind: str) -> Tile:
         """GEMM1's or GEMM2's tile: its row key in the cost table (swap-AB always; GEMM2's atomic
@@ -118,6 +141,20 @@ class W4A8Config:
                 raise ValueError(f"config.block_k{name} = {bk} must be 64 or 128 and divide {K}")
             if s < 1 or s > K // bk:
                 raise ValueError(f"config.split_k{name} = {s} must be in [1, {K // bk}] (K steps of {bk})")
+
+
+def get_w4a8_config(E: int, H: int, I: int, top_k: int, M: int, *, weight_block: int,
+                    num_global_experts: int | None = None, device_name: str | None = None,
+                    directory=None) -> W4A8Config:
+    """Config for one call of the W4A8 mode: the tuned config of the nearest batch size when
+    ``k3nvfp4-tune --mode e4m3`` wrote a file for (E, H, I, device, weight block) (looked up like
+    W4A16's: moe_details.config.config_dirs), else :meth:`W4A8Config.heuristic` (the static model
+    on the H200). device_name: the file's device (None: this process's CUDA device, "cpu" without one)."""
+    name = config_file_name(E, H, I, device_name or current_device_name(), W4A8Config.tuned_dtype(weight_block))
+    tuned = nearest_tuned(load_tuned_configs(name, W4A8Config, directory), M)
+    if tuned is not None:
+        return tuned
+    return W4A8Config.heuristic(E, H, I, top_k, M, num_global_experts=num_global_experts, weight_block=weight_block)
 
 
 def _split(programs: int, steps: int, num_sms: int) -> int:
