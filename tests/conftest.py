@@ -26,10 +26,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # cold Triton cache, 2026-12-06, `make test` 763 s): with two workers (`make test`: --dist loadfile
 # --no-loadscope-reorder, without which xdist ignores this order) a long file started last would
 # finish alone. launch_configs 340 (its compiles share the cores with the servers), K3 servers 188,
-# mxfp4_serving 99, tiny-Llama servers 87, model_class 76, test_moe 106, sglang_plugin 64,
-# launches 66, memory_ordering 45.
-SLOW_FIRST = ("test_launch_configs.py", "test_real_server_k3.py", "test_mxfp4_serving.py", "test_real_server.py",
-              "test_model_class.py", "test_moe.py", "test_sglang_plugin.py", "test_launches.py", "test_packaging.py",
+# model_class (both checkpoints; 94 s alone, it was 154 s as two files) about 120, tiny-Llama
+# servers 87, test_moe 106, sglang_plugin 64, launches 66, memory_ordering 45.
+SLOW_FIRST = ("test_launch_configs.py", "test_real_server_k3.py", "test_model_class.py", "test_real_server.py",
+              "test_moe.py", "test_sglang_plugin.py", "test_launches.py", "test_packaging.py",
               "test_memory_ordering.py")
 
 

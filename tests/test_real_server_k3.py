@@ -38,7 +38,7 @@ Measured (2-core CPU, `pytest -s` prints the figures): reference vs cast `agree`
 What the cast-vs-release comparison through triton_situ alone (the earlier fourth server) proved
 is now covered by the reference arm (a layout bug shared by both triton_situ paths would make the
 reference arm diverge from the cast) and, for the release's E8M0 layout in triton_situ, by the
-layer- and model-level tests of tests/test_mxfp4_serving.py.
+layer- and model-level tests of tests/test_model_class.py (the release's part).
 """
 
 from __future__ import annotations
