@@ -585,16 +585,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     shape = _resolve_shape(args, p)
     tuned_mode = TUNED_MODES[args.mode]
-    if args.mode == "e4m3" and (shape.H % 64 or shape.I % 64):
-        p.error(f"--mode e4m3 needs H and I multiples of 64 (H = {shape.H}, I = {shape.I})")
-    if args.mode == "e4m3" and not cpu:
-        from .moe_w4a8 import check_w4a8_supported
-
-        try:
-            check_w4a8_supported(torch.device("cuda"))
-        except RuntimeError as e:
-            print(f"k3nvfp4-tune: --mode e4m3: {e}", file=sys.stderr)
-            return 2
+    if why := tuned_mode.shape_error(shape):
+        p.error(why)
+    if not cpu and (why := tuned_mode.device_error(torch.device("cuda"))):
+        print(f"k3nvfp4-tune: {why}", file=sys.stderr)
+        return 2
     device = torch.device("cpu" if cpu else "cuda")
     space = args.space or ("tiny" if cpu else "default")
     dtype_name = args.dtype or ("fp32" if cpu else "bf16")

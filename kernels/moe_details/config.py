@@ -80,6 +80,16 @@ def _prefer(scored: list, in_budget) -> list:
     return [s for s in _near(scored, _BUDGET_SLACK) if in_budget(s)]
 
 
+def config_from_dict(config_type: type, d: dict):
+    """A launch-config dataclass (MoEConfig, W4A8Config) from one tuned-file entry; unknown keys
+    are refused by name (a file written for another mode or version)."""
+    known = {f.name for f in dataclasses.fields(config_type)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"{config_type.__name__}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    return config_type(**d)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Block sizes and launch knobs of the two MoE GEMMs (see the module docstring)."""
@@ -147,11 +157,7 @@ class MoEConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"MoEConfig: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
     @classmethod
     def heuristic(cls, E: int, H: int, I: int, top_k: int, M: int, *, num_sms: int | None = None,

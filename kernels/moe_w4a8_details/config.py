@@ -17,7 +17,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from ..costs import Tile, loop_costs
-from ..moe_details.config import config_file_name, load_tuned_configs, nearest_tuned
+from ..moe_details.config import config_file_name, config_from_dict, load_tuned_configs, nearest_tuned
 from ..target import current_device_name
 
 # The activations' and the intermediate's scale group (docs/w4a8.md: one fp32 scale amax / 448 per
@@ -71,11 +71,7 @@ class W4A8Config:
     @classmethod
     def from_dict(cls, d: dict) -> "W4A8Config":
         """The config of one tuned-file entry; unknown keys are refused by name."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"W4A8Config: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
     @staticmethod
     def tuned_dtype(weight_block: int) -> str:

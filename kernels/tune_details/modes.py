@@ -79,6 +79,8 @@ _W4A8_SPACES: dict[str, list[dict[str, list]]] = {
     ],
 }
 SPACE_NAMES = tuple(_W4A16_SPACES)
+# The weight block the e4m3 tuner's weights have (the MXFP4 release's).
+W4A8_TUNED_BLOCK = 32
 assert SPACE_NAMES == tuple(_W4A8_SPACES)
 
 
@@ -103,10 +105,6 @@ def _w4a16_weights(shape, device, seed: int):
     from ..testing import random_nvfp4_moe_weights
 
     return random_nvfp4_moe_weights(shape.E, shape.H, shape.I, device=device, seed=seed, block_scales="uniform")
-
-
-# The weight block the e4m3 tuner's weights have (the MXFP4 release's).
-W4A8_TUNED_BLOCK = 32
 
 
 def _w4a8_weights(shape, device, seed: int):
@@ -155,9 +153,34 @@ def _w4a8_measure(kind: str, cfg: W4A8Config, shape, arch: int) -> Any:
 
 
 def _w4a8_gemm_key(kind: str, cfg: W4A8Config) -> tuple:
-    split, bn, bk = ((cfg.split_k1, cfg.block_n1, cfg.block_k1) if kind == "gemm1"
-                     else (cfg.split_k2, cfg.block_n2, cfg.block_k2))
-    return (kind, cfg.block_m, bn, bk, split, cfg.num_warps, cfg.num_stages, kind == "gemm2" and cfg.atomic_reduce)
+    # the GEMM's cost-table tile (every compile knob but split-K) and its split-K
+    return cfg.tile(kind), cfg.split_k1 if kind == "gemm1" else cfg.split_k2
+
+
+def _w4a16_shape_error(shape) -> str | None:
+    return None  # TuneShape already requires multiples of 16
+
+
+def _w4a8_shape_error(shape) -> str | None:
+    from ..moe_w4a8_details.weights import W4A8_SHAPE_MULTIPLE
+
+    if shape.H % W4A8_SHAPE_MULTIPLE or shape.I % W4A8_SHAPE_MULTIPLE:
+        return f"--mode e4m3 needs H and I multiples of {W4A8_SHAPE_MULTIPLE} (H = {shape.H}, I = {shape.I})"
+    return None
+
+
+def _w4a16_device_error(device: torch.device) -> str | None:
+    return None
+
+
+def _w4a8_device_error(device: torch.device) -> str | None:
+    from ..moe_w4a8 import check_w4a8_supported
+
+    try:
+        check_w4a8_supported(device)
+    except RuntimeError as e:
+        return f"--mode e4m3: {e}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -172,8 +195,10 @@ class TunedMode:
     (config, TuneShape) -> why the config cannot run the shape, or None; measure: (kind, config,
     TuneShape, arch) -> the offline compile's perf_model.LoopCost of one GEMM; gemm_key: (kind,
     config) -> what that compile depends on (its cache key); file_dtype: the dtype field of the
-    tuned file's name (moe_details.config.config_file_name); default_tol: the normwise error a
-    candidate may have against the reference (None: the dtype's default, tune.py)."""
+    tuned file's name (moe_details.config.config_file_name); shape_error (TuneShape) /
+    device_error (a CUDA torch.device): why the mode cannot be tuned there, or None (the CLI's
+    one-line refusals, before any work); default_tol: the normwise error a candidate may have
+    against the reference (None: the dtype's default, tune.py)."""
 
     name: str
     config_type: type
@@ -185,16 +210,19 @@ class TunedMode:
     measure: Callable[[str, Any, Any, int], Any]
     gemm_key: Callable[[str, Any], Any]
     file_dtype: str
+    shape_error: Callable[[Any], str | None]
+    device_error: Callable[[torch.device], str | None]
     default_tol: float | None = None
 
 
 TUNED_MODES: dict[str, TunedMode] = {
     "none": TunedMode("none", MoEConfig, _W4A16_SPACES, _w4a16_base, _w4a16_weights, _w4a16_reference,
-                      _w4a16_invalid, _w4a16_measure, lambda kind, cfg: cfg.gemm(kind), "nvfp4"),
+                      _w4a16_invalid, _w4a16_measure, lambda kind, cfg: cfg.gemm(kind), "nvfp4",
+                      _w4a16_shape_error, _w4a16_device_error),
     # The kernel and its reference round the same fp32 values to E4M3 but not always in the same
     # order of operations: an element near a rounding boundary can land one E4M3 step apart
     # (tests/test_moe_w4a8.py bounds it); 1e-2 normwise is what bench/bench_moe.py checks too.
     "e4m3": TunedMode("e4m3", W4A8Config, _W4A8_SPACES, _w4a8_base, _w4a8_weights, _w4a8_reference,
                       _w4a8_invalid, _w4a8_measure, _w4a8_gemm_key, W4A8Config.tuned_dtype(W4A8_TUNED_BLOCK),
-                      default_tol=1e-2),
+                      _w4a8_shape_error, _w4a8_device_error, default_tol=1e-2),
 }
