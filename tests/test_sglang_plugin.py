@@ -2,11 +2,11 @@
 
 CPU only: the Triton kernels run in the interpreter (TRITON_INTERPRET=1, conftest.py). One
 pytest process holds the single-rank layer tests; fresh processes are spawned only where a
-test needs fresh registries (plugin exclusion, bad timeout), a "spawn" child (as SGLang's
-schedulers are started) or several ranks (TP and EP over gloo). Importing sglang costs about
-12 s per process, so those are few and shared.
-
-This file is also the script its multi-rank test runs (``python -P thisfile ranks ...``).
+test needs fresh registries (plugin exclusion, bad timeout) or a "spawn" child (as SGLang's
+schedulers are started). Importing sglang costs about 12 s per process, so those are few and
+shared. TP2 and EP2 over two gloo ranks are tests/test_model_class.py's (test_tp2_and_ep2: the
+cast and the release through SGLang's model class, every rank's block output against the
+independent reference, both ranks' outputs bit-equal, every tensor landed once).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _expert_tensors(ckpt: Path, layer: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _build_layer(ckpt: Path, layer_idx: int, *, reduce_results: bool = False, intermediate_size: int | None = None):
+def _build_layer(ckpt: Path, layer_idx: int, *, intermediate_size: int | None = None):
     """SGLang's FusedMoE with ModelOptFp4Config from the cast tool's config.json (not loaded)."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
@@ -142,7 +142,7 @@ def _build_layer(ckpt: Path, layer_idx: int, *, reduce_results: bool = False, in
         layer_id=layer_idx,
         top_k=text["num_experts_per_token"],
         params_dtype=torch.bfloat16,
-        reduce_results=reduce_results,
+        reduce_results=False,
         quant_config=qc,
         prefix=prefix,
         activation=text["hidden_act"],
@@ -183,25 +183,18 @@ def _forward(layer, x: torch.Tensor, logits: torch.Tensor) -> dict[str, torch.Te
     return {dt: layer.forward(x.to(getattr(torch, dt)), _route(layer, x, logits)) for dt in ("float32", "bfloat16")}
 
 
-def _init_parallel(rank: int, world: int, port: int, tp: int, ep: int) -> None:
+def _init_one_rank(port: int) -> None:
+    """SGLang's distributed state for one gloo rank (TP1, EP1) with this backend."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.layers.moe.utils import initialize_moe_config
     from sglang.test.test_utils import publish_build_topology
 
-    if world > 1 and not torch.cuda.is_available():
-        # CPU-only multi-rank: SGLang's GPU communicators (pynccl, custom all-reduce) cannot
-        # start, and the EP dispatcher's expert map needs a CPU device: the model check's
-        # named workaround (plain torch.distributed over the gloo groups carries the all-reduce).
-        from k3nvfp4.sglang_ext.model_check.sglang_path import cpu_multi_rank_communicators
-
-        cpu_multi_rank_communicators()
     if parallel_state._WORLD is None:
         init_distributed_environment(
-            world_size=world, rank=rank, local_rank=rank, backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}",
         )
-    publish_build_topology(world_rank=rank, tp_size=tp, ep_size=ep, pp_size=1, moe_runner_backend=BACKEND)
+    publish_build_topology(world_rank=0, tp_size=1, ep_size=1, pp_size=1, moe_runner_backend=BACKEND)
     initialize_model_parallel(backend="gloo")
     initialize_moe_config()
 
@@ -244,7 +237,7 @@ def sglang_plugins():
 @pytest.fixture(scope="session")
 def one_rank(sglang_plugins):
     """SGLang's distributed state for one CPU rank with --moe-runner-backend triton_situ."""
-    _init_parallel(0, 1, _free_port(), tp=1, ep=1)
+    _init_one_rank(_free_port())
 
 
 @pytest.fixture(scope="session")
@@ -585,59 +578,6 @@ def test_intermediate_per_rank_must_be_multiple_of_16(one_rank, nvfp4_checkpoint
         _build_layer(nvfp4_checkpoint, MOE_LAYER, intermediate_size=40)
 
 
-# --- TP and EP over two processes --------------------------------------------------------------
-
-
-def _rank_main(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> None:
-    """One rank: the layer under TP2 then EP2 (same processes), SGLang's all-reduce combining."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["SGLANG_PLUGINS"] = PLUGIN
-    from sglang.srt.distributed.parallel_state import destroy_model_parallel
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-    for mode, (tp, ep) in (("tp", (2, 1)), ("ep", (2, 2))):
-        _init_parallel(rank, world, port, tp=tp, ep=ep)
-        layer = _build_layer(Path(ckpt), MOE_LAYER, reduce_results=True)
-        _load_layer(layer, Path(ckpt), MOE_LAYER)
-        layer.quant_method.process_weights_after_loading(layer)
-        x, logits = _inputs(layer.hidden_size, layer.num_experts)
-        result = {
-            "out": _forward(layer, x, logits),
-            "num_local_experts": layer.num_local_experts,
-            "intermediate_per_rank": layer.intermediate_size_per_partition,
-            "moe_tp_size": layer.moe_tp_size,
-            "moe_ep_size": layer.moe_ep_size,
-        }
-        torch.save(result, Path(out_dir) / f"{mode}_rank{rank}.pt")
-        destroy_model_parallel()
-
-
-def _launch_ranks(ckpt: str, out_dir: str) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank_main, args=(2, _free_port(), ckpt, out_dir), nprocs=2, join=True)
-
-
-def test_tp2_and_ep2_match_single_rank(single_rank_run, nvfp4_checkpoint, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-P", str(Path(__file__).resolve()), "ranks", str(nvfp4_checkpoint), str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=_child_env(), cwd="/",
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    single = single_rank_run.out
-    for mode, expect in (("tp", dict(num_local_experts=8, intermediate_per_rank=32, moe_tp_size=2, moe_ep_size=1)),
-                         ("ep", dict(num_local_experts=4, intermediate_per_rank=64, moe_tp_size=1, moe_ep_size=2))):
-        ranks = [torch.load(tmp_path / f"{mode}_rank{r}.pt") for r in range(2)]
-        for r in ranks:
-            assert {k: r[k] for k in expect} == expect, mode
-        # Both ranks hold the all-reduced result; it equals the single-rank layer.
-        assert torch.equal(ranks[0]["out"]["float32"], ranks[1]["out"]["float32"]), mode
-        errs = [_rel_err(ranks[0]["out"][dt], single["float32"]) for dt in ("float32", "bfloat16")]
-        print(f"{mode}2 vs single rank: fp32 {errs[0]:.2e}, bf16 {errs[1]:.2e}")
-        assert errs[0] <= FP32_TOL and errs[1] <= BF16_TOL, (mode, errs)
-
-
 # --- marlin's SiTU gate and untouched backends ---------------------------------------------------
 
 
@@ -844,63 +784,3 @@ def test_installed_sglang_files_unchanged(single_rank_run, sglang_plugins):
         checked += 1
     assert checked > 1000 and changed == []
 
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["ranks"]:
-        _launch_ranks(sys.argv[2], sys.argv[3])
-    else:
-        raise SystemExit(f"usage: {sys.argv[0]} ranks CKPT OUT_DIR")
-
-
-def test_e4m3_load_names_the_layer(monkeypatch, caplog):
-    """The plugin's load step in the e4m3 mode: a non-power-of-two NVFP4 block scale stops the load
-    naming the layer and the matrix; blocks re-encoded below their row's window are logged with
-    the layer's name."""
-    import logging
-
-    from k3nvfp4.kernels.moe_details.weights import MXFP4MoETensors
-    from k3nvfp4.kernels.moe_fp4_details.weights import cast_mxfp4_moe
-    from k3nvfp4.kernels.testing import random_mxfp4_tensors
-    from k3nvfp4.sglang_ext.act_quant import kernel_weights_for_mode
-
-    mx = MXFP4MoETensors(*random_mxfp4_tensors(2, 64, 64, seed=3))
-    mo = cast_mxfp4_moe(*mx)
-    bad = mo.w13_scale.clone()
-    bad[0, 0, 0] = torch.tensor(0.375).to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"K3NVFP4_ACT_QUANT=e4m3: layer 'model.layers.3.mlp.experts': w13 \(E4M3 "
-                                         r"block scales\): 1 E4M3 block scales are not powers of two"):
-        kernel_weights_for_mode(mo._replace(w13_scale=bad), "e4m3", "model.layers.3.mlp.experts")
-    deep = mx.w2_e8m0.clone()
-    deep[1, 5, 0] = 90  # 30 binades below its row
-    with caplog.at_level(logging.WARNING, logger="k3nvfp4.sglang_ext.act_quant"):
-        w = kernel_weights_for_mode(mx._replace(w2_e8m0=deep), "e4m3", "model.layers.4.mlp.experts")
-    assert w.out_of_window == 1
-    assert "layer 'model.layers.4.mlp.experts': w2: 1 of" in caplog.text
-
-
-def test_act_quant_environment(monkeypatch):
-    """K3NVFP4_ACT_QUANT / K3NVFP4_NVFP4_INPUT_SCALE: defaults, bad values named, the W4A4
-    checkpoint's input_scale as the static NVFP4 activation scale only when asked for."""
-    from k3nvfp4.sglang_ext import act_quant as aq
-
-    monkeypatch.delenv(aq.ENV_ACT_QUANT, raising=False)
-    monkeypatch.delenv(aq.ENV_INPUT_SCALE, raising=False)
-    assert aq.selected_act_quant() == "none" and aq.selected_input_scale() == "dynamic"
-    monkeypatch.setenv(aq.ENV_ACT_QUANT, " MXFP8 ")
-    assert aq.selected_act_quant() == "mxfp8"
-    monkeypatch.setenv(aq.ENV_ACT_QUANT, "fp4")
-    with pytest.raises(ValueError, match=r"K3NVFP4_ACT_QUANT='fp4': expected one of none, nvfp4, mxfp8, e4m3"):
-        aq.selected_act_quant()
-    monkeypatch.setenv(aq.ENV_ACT_QUANT, "e4m3")  # every mode of kernels/modes.py is selectable
-    assert aq.selected_act_quant() == "e4m3"
-    if not torch.cuda.is_available():
-        assert aq.where_it_runs("e4m3") == "Triton interpreter (E4M3 x E4M3 tl.dot)"
-    layer = types.SimpleNamespace(layer_name="m.experts", w13_input_scale=torch.tensor([[0.5, 0.25], [2.0, 1.0]]))
-    assert aq.static_input_scale(layer, "nvfp4") is None  # dynamic by default
-    monkeypatch.setenv(aq.ENV_INPUT_SCALE, "checkpoint")
-    assert aq.static_input_scale(layer, "nvfp4") == 2.0 and aq.static_input_scale(layer, "mxfp8") is None
-    with pytest.raises(ValueError, match="has no w13_input_scale"):
-        aq.static_input_scale(types.SimpleNamespace(layer_name="x"), "nvfp4")
-    monkeypatch.setenv(aq.ENV_INPUT_SCALE, "static")
-    with pytest.raises(ValueError, match="K3NVFP4_NVFP4_INPUT_SCALE='static'"):
-        aq.static_input_scale(layer, "nvfp4")
