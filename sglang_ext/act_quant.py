@@ -11,7 +11,7 @@
   load: one exponent offset per block, one fp32 factor per row; the NVFP4 block scales must be
   powers of two, as k3nvfp4-cast writes them, else the load stops naming the layer and matrix),
   E4M3 activations with one fp32 scale per token per 128 columns, FP8 wgmma (docs/w4a8.md).
-  Selectable, not the default: no GPU speed is measured, and its expansion is not yet the PRMT form.
+  Selectable, not the default: no GPU speed or real-model accuracy is measured yet.
 - ``nvfp4``: W4A4, NVFP4 activations (dynamic per-token scale); Blackwell's ``kind::mxf4nvf4``.
   ``K3NVFP4_NVFP4_INPUT_SCALE=checkpoint`` uses a W4A4 checkpoint's ``input_scale`` instead
   (the max over the layer's experts of w1/w3's, one static scale; default ``dynamic``).
@@ -74,7 +74,7 @@ def where_it_runs(act_quant: str) -> str:
 
         major, minor = target.capability()
         return (f"sm{major}{minor}: FP8 tl.dot e4m3 x e4m3 (wgmma on sm90), weights expanded to E4M3 in registers "
-                "(exact float form, not yet the PRMT form)")
+                "(a per-block byte table and PRMT, exact)")
     if not torch.cuda.is_available():
         return "Triton interpreter (tl.dot_scaled decomposed)"
     from k3nvfp4.kernels import target
