@@ -19,7 +19,9 @@ broke, and ``monitored_barrier`` names the rank on rank 0 alone).
 An exchange completes in the round in which every rank waits at that step; all ranks see the
 same gathered list, so they move on together. A failure stops every rank: the heartbeat thread
 of a rank that learns of it interrupts its main thread (SIGUSR1, whose handler raises
-:class:`RankFailure`), which then runs the same clean-up as for its own errors. Bound: a rank
+:class:`RankFailure`), which then runs the same clean-up as for its own errors; not while that
+thread is inside :meth:`GlooCoordinator.exchange` or :meth:`GlooCoordinator.fail` (they see the
+failure themselves) or already stopping on Ctrl-C (its exit status stays 130). Bound: a rank
 that fails or vanishes stops every other rank within ``heartbeat_s + rank_timeout_s`` plus the
 clean-up (terminating a worker pool), unless the main thread is inside a single C call (a read
 of the source) that does not return.
@@ -38,6 +40,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -149,6 +152,7 @@ class GlooCoordinator:
         self._last = False
         self._failure: RankFailure | None = None
         self._main_knows = False  # the main thread has been given the failure (raise it once)
+        self._main_inside = 0  # > 0 while the main thread runs exchange() or fail(); main thread only
         self._stopped = threading.Event()  # no more rounds
         self._thread: threading.Thread | None = None
         self._saved_handler = None
@@ -217,6 +221,13 @@ class GlooCoordinator:
         from_json). Raises
         RankFailure when a rank fails or vanishes first. ``last``: the final exchange, after
         which the heartbeat stops."""
+        self._main_inside += 1
+        try:
+            return self._exchange(step, payload, last)
+        finally:
+            self._main_inside -= 1
+
+    def _exchange(self, step: str, payload: Any, last: bool) -> list:
         with self._lock:
             if self._failure is not None:
                 self._main_knows = True
@@ -239,13 +250,17 @@ class GlooCoordinator:
     def fail(self, message: str, *, wait_s: float | None = None) -> None:
         """Tell every rank that this one failed with ``message``; returns once they have it (or
         after ``wait_s``, default heartbeat_s + 2 x rank_timeout_s). The caller then exits."""
-        with self._lock:
-            if self._stopped.is_set() or self._thread is None:
-                return
-            self._main_knows = True  # the main thread is on its way out: no signal any more
-            self._status = replace(self._status, error=message, step=None, payload=None)
-        self._kick.set()
-        self._told.wait(self.heartbeat_s + 2 * self.rank_timeout_s if wait_s is None else wait_s)
+        self._main_inside += 1
+        try:
+            with self._lock:
+                if self._stopped.is_set() or self._thread is None:
+                    return
+                self._main_knows = True  # the main thread is on its way out: no signal any more
+                self._status = replace(self._status, error=message, step=None, payload=None)
+            self._kick.set()
+            self._told.wait(self.heartbeat_s + 2 * self.rank_timeout_s if wait_s is None else wait_s)
+        finally:
+            self._main_inside -= 1
 
     # -- the heartbeat thread ---------------------------------------------------------------
 
@@ -348,6 +363,14 @@ class GlooCoordinator:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
 
     def _on_signal(self, signum, frame) -> None:  # in the main thread
+        # Not inside exchange() / fail(): an exception raised there can land in the middle of a
+        # lock's acquire or release (a Ctrl-C's KeyboardInterrupt, then this signal during
+        # Condition.wait's clean-up, left its lock half released: "release unlocked lock", exit 1),
+        # and the interrupted frame may hold self._lock (taking it here would never return). Both
+        # see the failure themselves: _abort set _delivered first. Nor while a KeyboardInterrupt
+        # (Ctrl-C, SIGTERM) is being handled: the rank is stopping already, with that status.
+        if self._main_inside or isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            return
         with self._lock:
             if self._failure is None or self._main_knows:
                 return

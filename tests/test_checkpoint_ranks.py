@@ -29,7 +29,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from k3nvfp4.checkpoint.cli import main
-from k3nvfp4.checkpoint.coordinator import HEARTBEAT_MAX_S
+from k3nvfp4.checkpoint.coordinator import HEARTBEAT_MAX_S, GlooCoordinator, RankFailure
 from k3nvfp4.checkpoint.rank_checks import PlanTotals, coverage_problems, launch_differences
 from k3nvfp4.checkpoint.records import LaunchInfo, VerifySummary
 from k3nvfp4.checkpoint.ranks import LaunchError, RankSpec, assign_shards, first_host, rank_spec, slurm_master_host
@@ -242,6 +242,55 @@ def test_ctrl_c_stops_every_rank_with_one_line_each(source, reference, tmp_path)
         assert not (out / f).exists(), f
     for f in out.glob("*.safetensors"):
         assert hashlib.sha256(f.read_bytes()).hexdigest() == reference[f.name], f.name
+
+
+def _unstarted_coordinator() -> GlooCoordinator:
+    """Rank 0 of 2, never started (no torch.distributed): its main-thread side only."""
+    return GlooCoordinator(RankSpec(0, 2, "command line", "tcp://127.0.0.1:1", "127.0.0.1:1"))
+
+
+def test_failure_signal_is_raised_once_and_never_inside_the_coordinator_or_a_ctrl_c():
+    """The SIGUSR1 handler raises another rank's failure in the main thread once, and not while
+    that thread is inside exchange() / fail() (a raise there can land inside a lock's release: a
+    Ctrl-C run ended "release unlocked lock", exit 1) or handling a KeyboardInterrupt (it stops
+    with its own status, 130)."""
+    coord = _unstarted_coordinator()
+    coord._on_signal(signal.SIGUSR1, None)  # no failure yet: nothing
+    failure = RankFailure("rank 1 (vm) failed: interrupted (Ctrl-C)")
+    coord._failure = failure
+    coord._main_inside = 1
+    coord._on_signal(signal.SIGUSR1, None)  # inside exchange() / fail(): they raise it themselves
+    coord._main_inside = 0
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        coord._on_signal(signal.SIGUSR1, None)  # stopping on Ctrl-C already
+    with pytest.raises(RankFailure) as exc:
+        coord._on_signal(signal.SIGUSR1, None)
+    assert exc.value is failure
+    coord._on_signal(signal.SIGUSR1, None)  # given once
+
+
+def test_a_failure_during_an_exchange_is_raised_by_the_exchange_with_the_lock_free():
+    """Another rank fails while the main thread waits in exchange(): the heartbeat's _abort
+    signals the main thread, and the exchange (not the signal handler) raises the failure; the
+    coordinator's lock is free afterwards and the handler stays quiet."""
+    import threading
+
+    coord = _unstarted_coordinator()
+    saved = signal.signal(signal.SIGUSR1, coord._on_signal)
+    failure = RankFailure("rank 1 (vm) failed: boom")
+    try:
+        timer = threading.Timer(0.2, coord._abort, args=(failure,))
+        timer.start()
+        with pytest.raises(RankFailure) as exc:
+            coord.exchange("cast", {"x": 1})
+        timer.join()
+        assert exc.value is failure and coord._main_inside == 0
+        assert coord._lock.acquire(blocking=False)
+        coord._lock.release()
+    finally:
+        signal.signal(signal.SIGUSR1, saved)
 
 
 def test_ranks_started_unlike_each_other_are_refused_naming_the_difference(source, tmp_path):
