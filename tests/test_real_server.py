@@ -52,8 +52,7 @@ def servers(tmp_path_factory):
             s.wait_ready()
         yield a, b
     finally:
-        for s in started:
-            s.stop()
+        SGLangServer.stop_all(started)
 
 
 @pytest.fixture

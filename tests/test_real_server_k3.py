@@ -136,8 +136,7 @@ def servers(k3, tmp_path_factory):
             server.wait_ready()
         yield out
     finally:
-        for server in started:
-            server.stop()
+        SGLangServer.stop_all(started)
 
 
 def _records(calls) -> list[dict]:
