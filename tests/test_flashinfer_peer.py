@@ -47,7 +47,7 @@ MANGLED_64x16x128 = (
 def test_parse_kernel_name():
     info = fs.parse_kernel_name(MANGLED_64x16x128)
     assert info == {"schedule": "pingpong", "tile": (64, 16, 128), "stages": 24,
-                    "mma_atom": "MMA_64x16x16_F32BF16BF16_RS", "atom_mnk": (64, 16, 16),
+                    "mma_atom": "MMA_64x16x16_F32BF16BF16_RS", "atom_mnk": (64, 16, 16), "scale_mode": "post_mma",
                     "weight_type": "float_e2m1_t", "scale_type": "float_ue8m0_t"}
     k256 = MANGLED_64x16x128.replace("NSC_ILi128EEEEEE", "NSC_ILi256EEEEEE").replace("MixedInputILi24E",
                                                                                       "MixedInputILi12E")
@@ -57,6 +57,34 @@ def test_parse_kernel_name():
     assert fs.parse_kernel_name("_ZN12tensorrt_llm7kernels19cutlass_kernels_oss6detail38build_precomputed_work_"
                                 "tile_map_kernelILi64ELi16ELi1ELi1ELb0ELb0EEEvv") is None
     assert fs.parse_kernel_name("_ZN6sglang6device10marlin_moe6MarlinI13__nv_bfloat16EEvv") is None
+
+
+# The W4A8 (MXFP4 x FP8, pre-MMA E8M0 scale) 64x16x128 kernel, same build, up to its MMA atom.
+MANGLED_W4A8_64x16x128 = (
+    "_ZN7cutlass13device_kernelINS_4gemm6kernel33GemmUniversalPrecomputedSchedulerINS1_17GroupProblemShapeIN4cute5"
+    "tupleIJiiiEEEEENS1_10collective28CollectiveMmaArrayMixedInputINS1_57MainloopSm90ArrayTmaGmmaWarpSpecialized"
+    "MixedInputPreScaleILi31ENS6_IJNS5_1CILi1EEESD_SD_EEENS1_40KernelPtrArrayTmaWarpSpecializedPingpongEEENS6_IJNSC_"
+    "ILi64EEENSC_ILi16EEENSC_ILi128EEEEEENS6_IJNS_12float_e2m1_tENS_13float_ue8m0_tEEEEPNS6_IJlSD_NSC_ILi0EEEEEENS_"
+    "12float_e4m3_tESQ_NS5_8TiledMMAINS5_8MMA_AtomIJNS5_4SM904GMMA30MMA_64x16x32_F32E4M3E4M3_RS_TN"
+)
+
+
+def test_parse_w4a8_kernel_name():
+    """The FP8 kernel: the PreScale mainloop (31 stages) and the QGMMA-class E4M3 x E4M3 atom, K = 32."""
+    assert fs.parse_kernel_name(MANGLED_W4A8_64x16x128) == {
+        "schedule": "pingpong", "tile": (64, 16, 128), "stages": 31, "scale_mode": "pre_mma",
+        "mma_atom": "MMA_64x16x32_F32E4M3E4M3_RS", "atom_mnk": (64, 16, 32),
+        "weight_type": "float_e2m1_t", "scale_type": "float_ue8m0_t"}
+
+
+def test_qgmma_counts_as_an_mma():
+    from k3nvfp4.kernels.offline import sass
+
+    text = ("\t\tFunction : k\n"
+            "        /*0100*/                   QGMMA.64x16x32.F32.E4M3.E4M3 R24, R32, gdesc[UR12], R24, gsb0 ;\n"
+            "        /*0110*/                   HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0 ;\n")
+    real, placeholder = sass.parse_sass(text)["k"]
+    assert fs.is_real_hgmma(real) and not fs.is_real_hgmma(placeholder)
 
 
 def test_kernel_type_and_probe_text():
@@ -96,6 +124,17 @@ def test_generated_unit_names_the_launcher():
         assert args == expect
         assert "GroupedGemmInput<__nv_bfloat16, SafeFP4, __nv_bfloat16, __nv_bfloat16>inputs" in text
     assert fs.translation_unit(gen, fs.TILES[0]) != fs.translation_unit(gen, fs.TILES[-1])
+    # The W4A8 peer (use_wfp4afp8_humming): FP8 activations, the pre-MMA E8M0 scale mode named.
+    text = fs.translation_unit(gen, fs.TILES[0], "e4m3")
+    (name, args), = re.findall(r"template void (\w+)<(.*?)> \(", text, re.S)
+    assert name == "sm90_generic_mixed_moe_gemm_kernelLauncher"
+    args = " ".join(args.split())
+    assert args.startswith("__nv_fp8_e4m3, SafeFP4, __nv_bfloat16, ")
+    assert args.endswith("cutlass::WeightOnlyQuantOp::FINEGRAINED_SCALE_ONLY, "
+                         "cutlass::gemm::collective::MixedInputScaleMode::kPreMmaE8M0")
+    assert "GroupedGemmInput<__nv_fp8_e4m3, SafeFP4, __nv_bfloat16, __nv_bfloat16>inputs" in text
+    with pytest.raises(ValueError, match="act 'fp16'"):
+        fs.translation_unit(gen, fs.TILES[0], "fp16")
     with pytest.raises(RuntimeError, match="0 bf16 x e2m1 pingpong operations"):
         fs.translation_unit(gen, (64, 24, 128))
 
