@@ -48,6 +48,7 @@ def test_parse_kernel_name():
     info = fs.parse_kernel_name(MANGLED_64x16x128)
     assert info == {"schedule": "pingpong", "tile": (64, 16, 128), "stages": 24,
                     "mma_atom": "MMA_64x16x16_F32BF16BF16_RS", "atom_mnk": (64, 16, 16), "scale_mode": "post_mma",
+                    "structure": "warp_specialized",
                     "weight_type": "float_e2m1_t", "scale_type": "float_ue8m0_t"}
     k256 = MANGLED_64x16x128.replace("NSC_ILi128EEEEEE", "NSC_ILi256EEEEEE").replace("MixedInputILi24E",
                                                                                       "MixedInputILi12E")
@@ -73,6 +74,7 @@ def test_parse_w4a8_kernel_name():
     """The FP8 kernel: the PreScale mainloop (31 stages) and the QGMMA-class E4M3 x E4M3 atom, K = 32."""
     assert fs.parse_kernel_name(MANGLED_W4A8_64x16x128) == {
         "schedule": "pingpong", "tile": (64, 16, 128), "stages": 31, "scale_mode": "pre_mma",
+        "structure": "warp_specialized",
         "mma_atom": "MMA_64x16x32_F32E4M3E4M3_RS", "atom_mnk": (64, 16, 32),
         "weight_type": "float_e2m1_t", "scale_type": "float_ue8m0_t"}
 
@@ -135,6 +137,15 @@ def test_generated_unit_names_the_launcher():
     assert "GroupedGemmInput<__nv_fp8_e4m3, SafeFP4, __nv_bfloat16, __nv_bfloat16>inputs" in text
     with pytest.raises(ValueError, match="act 'fp16'"):
         fs.translation_unit(gen, fs.TILES[0], "fp16")
+    # Humming's single-warpgroup decode kernels: their own launcher, one per K regime.
+    for kernel_type, regime in (("single_warpgroup_rolling", "SINGLE_WARPGROUP_ROLLING"),
+                                ("single_warpgroup_prefill", "SINGLE_WARPGROUP_PREFILL")):
+        text = fs.translation_unit(gen, (128, 16, 128), "e4m3", kernel_type)
+        (name, args), = re.findall(r"template void (\w+)<(.*?)> \(", text, re.S)
+        assert name == "sm90_generic_mixed_moe_small_k_kernelLauncher"
+        assert " ".join(args.split()).endswith(f"MixedInputScaleMode::kPreMmaE8M0, "
+                                               f"tensorrt_llm::cutlass_extensions::MainloopScheduleType::{regime}")
+        assert "GroupedGemmInput<__nv_fp8_e4m3, SafeFP4, __nv_bfloat16, __nv_bfloat16>inputs" in text
     with pytest.raises(RuntimeError, match="0 bf16 x e2m1 pingpong operations"):
         fs.translation_unit(gen, (64, 24, 128))
 
