@@ -29,6 +29,12 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # as the CLI does before 
 from k3nvfp4.checkpoint import cli, convert, safetensors_io  # noqa: E402
 from k3nvfp4.checkpoint.ranks import rank_spec  # noqa: E402
 
+# Python's own Ctrl-C handler, whatever this process inherited: a shell runs a background job
+# (`pytest ... &` in a script) with SIGINT ignored, and its children inherit that, so the
+# Ctrl-C test's SIGINT would reach ranks that ignore it (seen: both ranks waiting until the
+# test's guard). In a terminal, under torchrun or srun, this is already the handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 CTL = Path(sys.argv[1])
 ARGV = sys.argv[sys.argv.index("--") + 1:]
 PLAN = json.loads((CTL / "plan.json").read_text())
