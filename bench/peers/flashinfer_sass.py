@@ -484,11 +484,24 @@ def _probe_values(funcs: dict[str, Any]) -> tuple[int, int] | None:
     return None
 
 
+WGMMA_OPS = ("HGMMA", "QGMMA")  # warpgroup MMAs in SASS: BF16 / FP16, and FP8
+
+
+def _count(mix: dict[str, int], *prefixes: str) -> int:
+    """Instructions of a loop's opcode mix whose opcode starts with one of ``prefixes``."""
+    return sum(n for op, n in mix.items() if op.startswith(prefixes))
+
+
+def _copies(mix: dict[str, int]) -> dict[str, int]:
+    """The loop's bulk loads (TMA and bulk copies), by opcode."""
+    return {op: n for op, n in mix.items() if op.startswith(("UTMALDG", "UBLKCP"))}
+
+
 def is_real_hgmma(ins: Instr) -> bool:
     """A warpgroup MMA that computes (HGMMA: BF16, QGMMA: FP8): ptxas's per-commit placeholders are
     ``HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ`` (the parser leaves the shape suffix, e.g. ``x8x16.F16``,
     at the head of the operands)."""
-    return ins.base in ("HGMMA", "QGMMA") and re.match(r"(?:x[0-9]\S*\s+)?RZ\b", ins.operands) is None
+    return ins.base in WGMMA_OPS and re.match(r"(?:x[0-9]\S*\s+)?RZ\b", ins.operands) is None
 
 
 def consumer_loop(instrs: list[Instr], expected_hgmma: int) -> Loop:
@@ -507,7 +520,7 @@ def producer_loop(instrs: list[Instr]) -> Loop:
     from k3nvfp4.kernels.offline import sass
 
     fits = [lp for lp in sass.loops(instrs) if any(i.base == "UTMALDG" for i in lp.instrs)
-            and not any(i.base in ("HGMMA", "QGMMA") for i in lp.instrs)]
+            and not any(i.base in WGMMA_OPS for i in lp.instrs)]
     if not fits:
         raise RuntimeError("no TMA-load loop without HGMMA (the producer's k-tile loop) in the GEMM kernel")
     return min(fits, key=lambda lp: lp.size)
@@ -550,10 +563,8 @@ def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int
     if expect_tx != 1:
         raise RuntimeError(f"producer loop [{ploop.start:#x}, {ploop.end:#x}] has {expect_tx} expect-tx arrives, "
                            "not the one of a single pipeline stage (k-tile)")
-    tma = {op: n for op, n in pst.opcode_mix.items() if op.startswith(("UTMALDG", "UBLKCP"))}
-    ffma = sum(n for op, n in st.opcode_mix.items() if op.startswith("FFMA"))
-    hmul2 = sum(n for op, n in st.opcode_mix.items() if op.startswith("HMUL2"))
-    prmt = sum(n for op, n in st.opcode_mix.items() if op.startswith("PRMT"))
+    tma = _copies(pst.opcode_mix)
+    ffma, hmul2, prmt = (_count(st.opcode_mix, op) for op in ("FFMA", "HMUL2", "PRMT"))
     lds_u8 = st.opcode_mix.get("LDS.U8", 0)
     mma = "QGMMA" if act == "e4m3" else "HGMMA"
     groups = k_tile // MXFP4_GROUP_SIZE
@@ -593,6 +604,17 @@ def _label(tile: tuple[int, int, int]) -> str:
     return f"{tile[0]}x{tile[1]}x{tile[2]}"
 
 
+def _toolchain(build_dir: str | os.PathLike) -> tuple[tuple[str, str], Sources, types.ModuleType, pathlib.Path]:
+    """What every peer build needs: nvcc (path, version), FlashInfer's sources, its kernel
+    generator and the build folder (relative paths under the repository). Raises RuntimeError
+    naming what is missing (cuobjdump, nvcc, FlashInfer's sources)."""
+    nvcc_cache.require_cuobjdump()
+    nvcc = find_nvcc()
+    src = find_sources(nvcc)
+    out = pathlib.Path(build_dir)
+    return nvcc, src, load_generator(src.package_dir), out if out.is_absolute() else REPO_ROOT / out
+
+
 def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/flashinfer") -> list[dict[str, Any]]:
     """One row per tile of TILES, measured on the SASS of FlashInfer's own launcher instantiation.
 
@@ -602,12 +624,7 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
         raise ValueError("only arch=90 (sm_90a) is modelled: the mixed-input grouped GEMM is Hopper-only")
     from k3nvfp4.kernels.offline import sass
 
-    nvcc_cache.require_cuobjdump()
-    nvcc = find_nvcc()
-    src = find_sources(nvcc)
-    gen = load_generator(src.package_dir)
-    out = pathlib.Path(build_dir)
-    out = out if out.is_absolute() else REPO_ROOT / out
+    nvcc, src, gen, out = _toolchain(build_dir)
 
     names = {tile: f"flashinfer_w4a16_{_label(tile)}" for tile in TILES}
     builds = build_all(src, nvcc, {names[t]: translation_unit(gen, t) for t in TILES}, out)
@@ -722,15 +739,14 @@ def measure_single_warpgroup(instrs: list[Instr], tile: tuple[int, int, int],
     loop = consumer_loop(instrs, exp)
     st = sass.loop_stats(loop)
     weights = m_tile * k_tile
-    copies = {op: n for op, n in st.opcode_mix.items() if op.startswith(("UTMALDG", "UBLKCP"))}
+    copies = _copies(st.opcode_mix)
     mapping = (f"one pass of the SASS loop [{loop.start:#x}, {loop.end:#x}] = one k-tile of {k_tile} (K) x {m_tile} "
                f"(weight rows) FP4 weights against {n_tile} tokens = {weights} weights, run by the CTA's one "
                f"warpgroup (4 warps), which also issues the k-tile's loads ({copies}); checked: {exp} QGMMA."
                f"{am}x{an}x{ak} per warp (M/{am} x K/{ak}). warp_instr_per_weight = 4 x {st.instructions} / {weights}")
     return {"loop": loop, "stats": st, "weights": weights, "real_hgmma": exp, "per_weight": 4 * st.instructions / weights,
-            "mapping": mapping, "convert_prmt": sum(n for op, n in st.opcode_mix.items() if op.startswith("PRMT")),
-            "table_lds_u8": st.opcode_mix.get("LDS.U8", 0),
-            "scale_ffma": sum(n for op, n in st.opcode_mix.items() if op.startswith("FFMA"))}
+            "mapping": mapping, "convert_prmt": _count(st.opcode_mix, "PRMT"),
+            "table_lds_u8": st.opcode_mix.get("LDS.U8", 0), "scale_ffma": _count(st.opcode_mix, "FFMA")}
 
 
 def flashinfer_w4a8_loop_rows(build_dir: str | os.PathLike = "build/peers/flashinfer") -> list[dict[str, Any]]:
@@ -741,12 +757,7 @@ def flashinfer_w4a8_loop_rows(build_dir: str | os.PathLike = "build/peers/flashi
     the static report. Raises RuntimeError naming what is missing or failed, as flashinfer_rows."""
     from k3nvfp4.kernels.offline import sass
 
-    nvcc_cache.require_cuobjdump()
-    nvcc = find_nvcc()
-    src = find_sources(nvcc)
-    gen = load_generator(src.package_dir)
-    out = pathlib.Path(build_dir)
-    out = out if out.is_absolute() else REPO_ROOT / out
+    nvcc, src, gen, out = _toolchain(build_dir)
     names = {v: f"flashinfer_w4a8_{_label(v[1])}" + ("" if v[0] == "warp_specialized" else f"_{v[0]}")
              for v in W4A8_VARIANTS}
     builds = build_all(src, nvcc, {names[v]: translation_unit(gen, v[1], "e4m3", v[0]) for v in W4A8_VARIANTS}, out)
@@ -802,5 +813,9 @@ def flashinfer_w4a8_loop_rows(build_dir: str | os.PathLike = "build/peers/flashi
 
 
 if __name__ == "__main__":
-    # --act e4m3: the W4A8 peer's loop rows (flashinfer_w4a8_loop_rows); default the W4A16 rows.
-    sys.exit(nvcc_cache.print_rows(flashinfer_w4a8_loop_rows if sys.argv[1:] == ["--act", "e4m3"] else flashinfer_rows))
+    import argparse
+
+    ap = argparse.ArgumentParser(description="FlashInfer's SM90 MXFP4 MoE GEMMs, measured on their SASS (JSON rows)")
+    ap.add_argument("--act", choices=ACTS, default="bf16",
+                    help="bf16: the W4A16 peer's rows (default); e4m3: the W4A8 peer's K-loop rows")
+    sys.exit(nvcc_cache.print_rows(flashinfer_w4a8_loop_rows if ap.parse_args().act == "e4m3" else flashinfer_rows))
