@@ -34,6 +34,7 @@ tells "working" from "gone".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -221,9 +222,15 @@ class GlooCoordinator:
         from_json). Raises
         RankFailure when a rank fails or vanishes first. ``last``: the final exchange, after
         which the heartbeat stops."""
+        with self._main_busy():
+            return self._exchange(step, payload, last)
+
+    @contextlib.contextmanager
+    def _main_busy(self):
+        """The main thread is inside the coordinator (exchange, fail): _on_signal stays quiet."""
         self._main_inside += 1
         try:
-            return self._exchange(step, payload, last)
+            yield
         finally:
             self._main_inside -= 1
 
@@ -250,8 +257,7 @@ class GlooCoordinator:
     def fail(self, message: str, *, wait_s: float | None = None) -> None:
         """Tell every rank that this one failed with ``message``; returns once they have it (or
         after ``wait_s``, default heartbeat_s + 2 x rank_timeout_s). The caller then exits."""
-        self._main_inside += 1
-        try:
+        with self._main_busy():
             with self._lock:
                 if self._stopped.is_set() or self._thread is None:
                     return
@@ -259,8 +265,6 @@ class GlooCoordinator:
                 self._status = replace(self._status, error=message, step=None, payload=None)
             self._kick.set()
             self._told.wait(self.heartbeat_s + 2 * self.rank_timeout_s if wait_s is None else wait_s)
-        finally:
-            self._main_inside -= 1
 
     # -- the heartbeat thread ---------------------------------------------------------------
 
