@@ -20,7 +20,7 @@ start; started together they share the cores):
 - ``e4m3``: the cast on ``triton_situ`` in the Hopper W4A8 mode (``K3NVFP4_ACT_QUANT=e4m3``).
 ``k3nvfp4-ab serve --fail-on-divergence`` (greedy, logprobs) compares reference vs nvfp4, two
 implementations AND two checkpoints (the cast is exact, so the same model): verdict agree, exit 0;
-then reference vs perturbed on the short prompt (AB_RUN_PROMPTS): verdict diverge, exit 1. The two
+then reference vs perturbed on the short prompt (AB_RUNS): verdict diverge, exit 1. The two
 runs share the reference server one after the other with different batching, and its streams
 for the prompts both runs ask must come out the same in both. Last, reference vs e4m3 on two
 short prompts with the FP8 bound (below): verdict agree, exit 0, logprobs not bit-equal.
@@ -58,6 +58,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import dataclass
 
 import pytest
 
@@ -175,12 +176,21 @@ def test_triton_situ_serves_k3_over_http(servers, name, scale_format):
         assert r["load_timeout_s"] == LOAD_TIMEOUT_S
 
 
-# The two A/B runs share the reference server, one after the other, with different batching:
+@dataclass(frozen=True)
+class ABRun:
+    """One ``k3nvfp4-ab serve`` run against the reference server: its prompts, how many requests
+    are in flight at once, and the verdict's bound (nats)."""
+
+    prompts: list
+    concurrency: int
+    bound: float
+
+
+# The A/B runs share the reference server, one after the other, with different batching:
 # against nvfp4 every request of both arms is in flight at once (the reference server prefills
-# both prompts in one batch), against the control one request at a time (each prompt alone). The
-# reference's streams must come out the same in both runs: its outputs do not depend on its
-# batches, so the two verdicts compare each triton_situ server with the same reference.
-AB_CONCURRENCY = {"nvfp4": 2 * len(AB_PROMPTS), "perturbed": 1, "e4m3": 1}
+# both prompts in one batch), against the others one request at a time (each prompt alone). The
+# reference's streams must come out the same in every run: its outputs do not depend on its
+# batches, so the verdicts compare each triton_situ server with the same reference.
 # The negative control runs the short prompt only: a SiTU beta of 2.0 moves its logprobs far
 # beyond the bound within AB_TOKENS (measured: 9x), and each 512-token prefill costs ~75 s of
 # the interpreter's KDA kernels on 2 cores, twice more (reference and control) for a run on the
@@ -188,8 +198,9 @@ AB_CONCURRENCY = {"nvfp4": 2 * len(AB_PROMPTS), "perturbed": 1, "e4m3": 1}
 # The W4A8 run (short prompts, as the control's) shows the FP8 arm within its bound and not
 # bit-equal to the reference (W4A16 is: max |delta logprob| 0.0).
 _SHORT = [p for p in AB_PROMPTS if p["id"] == "short"]
-AB_RUN_PROMPTS = {"nvfp4": AB_PROMPTS, "perturbed": _SHORT, "e4m3": [*_SHORT, SHORT2]}
-AB_BOUND = {"nvfp4": DLOGPROB_BOUND, "perturbed": DLOGPROB_BOUND, "e4m3": DLOGPROB_BOUND_E4M3}
+AB_RUNS = {"nvfp4": ABRun(AB_PROMPTS, 2 * len(AB_PROMPTS), DLOGPROB_BOUND),
+           "perturbed": ABRun(_SHORT, 1, DLOGPROB_BOUND),
+           "e4m3": ABRun([*_SHORT, SHORT2], 1, DLOGPROB_BOUND_E4M3)}
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +211,13 @@ def ab_runs(servers, tmp_path_factory):
     d = tmp_path_factory.mktemp("k3ab")
     ref = servers["reference"][0]
     out = {}
-    for other in ("nvfp4", "perturbed", "e4m3"):
+    for other, run in AB_RUNS.items():
         prompts = d / f"{other}.prompts.jsonl"
-        prompts.write_text("".join(json.dumps(p) + "\n" for p in AB_RUN_PROMPTS[other]))
+        prompts.write_text("".join(json.dumps(p) + "\n" for p in run.prompts))
         rc = cli.main(["serve", "--arm", f"reference={ref.url}", "--arm", f"{other}={servers[other][0].url}",
                        "--prompts", str(prompts), "--seeds", "1", "--max-tokens", str(AB_TOKENS),
                        "--top-logprobs", "5", "--timeout", "1800", "--no-progress", "--no-plots",
-                       "--concurrency", str(AB_CONCURRENCY[other]), "--dlogprob-bound", str(AB_BOUND[other]),
+                       "--concurrency", str(run.concurrency), "--dlogprob-bound", str(run.bound),
                        "--fail-on-divergence", "--out", str(d / other)])
         rows = [json.loads(x) for x in (d / other / "completions.jsonl").read_text().splitlines()]
         out[other] = (rc, json.loads((d / other / "report.json").read_text()),
@@ -242,7 +253,7 @@ def test_reference_and_triton_situ_agree_on_512_token_prompts(servers, ab_runs):
 
 def test_reference_outputs_do_not_depend_on_its_batches(ab_runs):
     """The reference's greedy streams (text and token count) are the same in every A/B run that
-    asks the same prompt, whose requests reached it in different batches (AB_CONCURRENCY)."""
+    asks the same prompt, whose requests reached it in different batches (ABRun.concurrency)."""
     a = ab_runs["nvfp4"][3]
     for other in ("perturbed", "e4m3"):
         b = ab_runs[other][3]
@@ -262,7 +273,7 @@ def test_negative_control_is_reported_divergent(ab_runs):
           json.dumps({k: v[k] for k in ("verdict", "divergent", "beyond_bound", "max_abs_dlogprob")}))
     assert rc == 1 and v["verdict"] == "diverge" and "**Verdict: diverge**" in summary
     flagged = set(v["divergent"]) | set(v["beyond_bound"])
-    assert flagged == {p["id"] for p in AB_RUN_PROMPTS["perturbed"]}
+    assert flagged == {p["id"] for p in AB_RUNS["perturbed"].prompts}
     assert g["max_abs_dlogprob"] > DLOGPROB_BOUND
     for r in v["per_prompt"]:
         if r["status"] == "divergent":
@@ -281,7 +292,7 @@ def test_reference_and_w4a8_agree_within_the_fp8_bound(servers, ab_runs):
           json.dumps({k: v[k] for k in ("verdict", "bound_nats", "identical", "max_abs_dlogprob")}))
     assert rc == 0 and v["verdict"] == "agree" and v["bound_nats"] == DLOGPROB_BOUND_E4M3, v
     assert "**Verdict: agree**" in summary
-    assert v["compared"] == v["identical"] == len(AB_RUN_PROMPTS["e4m3"]) and g["first_divergence_positions"] == []
+    assert v["compared"] == v["identical"] == len(AB_RUNS["e4m3"].prompts) and g["first_divergence_positions"] == []
     assert g["dlogprob_missing"] == 0 and 0.0 < g["max_abs_dlogprob"] <= DLOGPROB_BOUND_E4M3, g
     server, calls, _ = servers["e4m3"]
     log = server.log_tail(10**7)
