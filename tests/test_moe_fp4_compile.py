@@ -1,6 +1,10 @@
 """The FP4 MMA kernels compile offline (no GPU): for sm100 GEMM1 and GEMM2 of both modes get
 Blackwell's block-scaled tcgen05 MMA (nvfp4: kind::mxf4nvf4 block16; mxfp8: kind::mxf8f6f4
-block32), with nothing decomposed; for sm90 the same code is decomposed onto wgmma."""
+block32), with nothing decomposed; for sm90 the same code is decomposed onto wgmma.
+
+The sm100 GEMMs are the static report's (its ``fp4_modes`` rows: the same compile_all_fp4(100),
+made once per test session, tests/shared_compiles.py); the sm90 GEMMs and both architectures'
+first launch compile in one subprocess for this module."""
 
 from __future__ import annotations
 
@@ -11,20 +15,31 @@ import sys
 
 import pytest
 
+# One process for every compile of this module that the static report does not make:
+# compile_all_fp4(90), and the route + quantize launch of both modes for sm90 and sm100
+# (spill bytes from cuobjdump -res-usage).
+_SCRIPT = """
+import json
+from k3nvfp4.kernels.offline import sass
+from k3nvfp4.kernels.offline.compile import compile_all_fp4, compile_route_quant
+spills = {str(a): [sass.resource_usage(compile_route_quant(m, a).asm["cubin"])["route_quant_kernel"].local_bytes
+                   for m in ("nvfp4", "mxfp8")] for a in (90, 100)}
+print(json.dumps({"sm90": compile_all_fp4(90), "route_quant_spills": spills}))
+"""
 
-def _compile(arch: int) -> dict[str, dict]:
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-P", "-m", "k3nvfp4.kernels.offline.compile", "--family", "fp4", "--arch", str(arch)],
-        capture_output=True, text=True, env=env, timeout=900,
-    )
+    proc = subprocess.run([sys.executable, "-P", "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["kernel"]: r for r in json.loads(proc.stdout)}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_sm100_gemms_use_block_scaled_tcgen05():
-    res = _compile(100)
-    assert len(res) == 8
+def test_sm100_gemms_use_block_scaled_tcgen05(static_report):
+    assert static_report.result is not None, static_report.stderr_tail
+    res = {r["kernel"]: r for r in static_report.result["fp4_modes"]}
+    assert len(res) == 8 and all(r["arch"] == 100 for r in res.values()), sorted(res)
     for name, r in res.items():
         assert "error" not in r, r
         kind, block = (("kind::mxf4nvf4", "block_scale.block16") if "_nvfp4_" in name
@@ -36,9 +51,9 @@ def test_sm100_gemms_use_block_scaled_tcgen05():
         assert r["local_bytes"] == 0, r  # no register spills
 
 
-@pytest.mark.parametrize("arch", [90])
-def test_sm90_decomposes_onto_wgmma(arch):
-    res = _compile(arch)
+def test_sm90_decomposes_onto_wgmma(compiled):
+    res = {r["kernel"]: r for r in compiled["sm90"]}
+    assert len(res) == 8 and all(r["arch"] == 90 for r in res.values()), sorted(res)
     for name, r in res.items():
         assert "error" not in r, r
         assert r["wgmma"] > 0 and r["tcgen05_mma"] == 0, r
@@ -73,14 +88,7 @@ def test_cost_table_tiles_launch_and_the_heuristic_picks_no_spill():
 
 
 @pytest.mark.parametrize("arch", [90, 100])
-def test_fused_routing_and_quantization_launch_compiles(arch):
+def test_fused_routing_and_quantization_launch_compiles(compiled, arch):
     """The FP4 modes' first launch (align_small in program 0, quant_row in the others) compiles
-    for Hopper and Blackwell without spilling."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from k3nvfp4.kernels.offline import sass; "
-            "from k3nvfp4.kernels.offline.compile import compile_route_quant; "
-            f"cs = [compile_route_quant(m, {arch}) for m in ('nvfp4', 'mxfp8')]; "
-            "print(json.dumps([sass.resource_usage(c.asm['cubin'])['route_quant_kernel'].local_bytes for c in cs]))")
-    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [0, 0]
+    for Hopper and Blackwell without spilling (nvfp4, mxfp8)."""
+    assert compiled["route_quant_spills"][str(arch)] == [0, 0]
