@@ -159,14 +159,20 @@ def _drop_barriers(ptx: str, after: bool) -> str:
     return "\n".join(ln for n, ln in enumerate(lines) if not (n in span and "bar.sync" in ln))
 
 
+_BUFFER_WRITES = ("st.global", "red.global", "atom.global")  # a stored sum's rows, an atomic sum's adds
+
+
 def _store_after_arrival(ptx: str, params: list[str], buffer: str) -> str:
-    """The PTX with the last store to the sum's buffer before the arrival moved right after it."""
+    """The PTX with the last write to the sum's buffer before the arrival (a store, or an fp32
+    atomic add of the atomic top-k sum) moved right after it."""
     prog = Program(ptx)
-    last = [i for i in prog.insns if i.op.startswith("st.global") and params.index(buffer) in (prog.params_of(i) or ())][-1]
+    last = [i for i in prog.insns
+            if i.op.startswith(_BUFFER_WRITES) and params.index(buffer) in (prog.params_of(i) or ())][-1]
     addr = re.escape(last.addr) + r"\b"
     lines = ptx.splitlines()
     i = _arrival_line(lines)
-    s = max(n for n in range(i) if "st.global" in lines[n] and re.search(r"\[\s*" + addr, lines[n]))
+    s = max(n for n in range(i)
+            if any(w in lines[n] for w in _BUFFER_WRITES) and re.search(r"\[\s*" + addr, lines[n]))
     store = lines.pop(s)
     lines.insert(i, store)  # i - 1 + 1: after the atomic, whose index moved up by one
     return "\n".join(lines)
@@ -189,10 +195,12 @@ def _skip_barrier_on_a_path(ptx: str) -> str:
 ], ids=["barrier-before", "barrier-after", "store-after", "branch-around-barrier", "release-only"])
 def test_ptx_mutation_fails_the_dataflow_check(shipped, mutation, expected):
     """The barriers' part of the check on real PTX (a source mutant cannot remove the barrier
-    after the atomic: Triton emits it), for the first kernel of each family and sum."""
+    after the atomic: Triton emits it), for the first kernel of each family group (W4A16, the
+    others), GEMM and sum (split-K's, the top-k sum stored by slot, the atomic top-k sum)."""
     picks = {}
     for e in shipped:
-        picks.setdefault((e["family"] == "w4a16", e["kind"]), e)
+        picks.setdefault((e["family"] == "w4a16", e["kind"], " atomic" in e["label"]), e)
+    assert len(picks) == 6, sorted(picks)
     for e in picks.values():
         assert violations(e["text"], e["params"], e["buffer"]) == []
         v = violations(mutation(e), e["params"], e["buffer"])

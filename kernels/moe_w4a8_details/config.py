@@ -102,15 +102,15 @@ class W4A8Config:
         """The tile shapes the heuristic chooses among for H, I (multiples of 64), without split-K:
         GEMM1 128 columns of I (256 MMA rows) at K step 64 (K = 128 spills on sm90, Triton 3.8:
         docs/w4a8.md); every (block_m, num_warps) of TOKEN_TILES; GEMM2 64 or 128 columns of H at
-        K step 128 where I allows, else 64; the atomic top-k sum at 64-token blocks."""
+        K step 128 where I allows, else 64; each with GEMM2's top-k sum by last arrival and by fp32
+        atomics (the atomic sum moves 2 x fewer bytes per (pair, column) than the slot rows stored and
+        summed: what decides TP prefill, where GEMM2 is byte-bound, docs/w4a8.md)."""
         out = []
         for bm, warps in TOKEN_TILES:
             for bn2 in GEMM2_BLOCK_N:
                 base = W4A8Config(block_m=bm, block_n1=128, block_n2=bn2, block_k1=64,
                                   block_k2=128 if I % 128 == 0 else 64, num_warps=warps)
-                out.append(base)
-                if bm == 64:
-                    out.append(replace(base, atomic_reduce=True))
+                out += [base, replace(base, atomic_reduce=True)]
         return tuple(out)
 
     @classmethod
