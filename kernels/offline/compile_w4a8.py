@@ -26,7 +26,8 @@ import sys
 import triton
 import triton.language as tl
 
-from ..moe_details.e4m3_expand import expand_e2m1_to_e4m3
+from ..moe_details.e4m3_expand import (E4M3_LOOKUP_PTX, e4m3_block_tables, expand_e2m1_to_e4m3,
+                                       expand_e2m1_words_e4m3)
 from .compile import _require_compiler, compile_kernel
 
 # The FP8 wgmma of Hopper: K = 32 per instruction, fp32 accumulators, E4M3 x E4M3.
@@ -88,6 +89,137 @@ def probe_report(block_n: int = 64, block_m: int = 64, block_k: int = 128, num_w
         "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, num_warps, weights), 4),
         "thread_instr_per_weight": round(32 * sass.warp_instr_per_weight(st.instructions, num_warps, weights), 2),
         "family_mix": st.family_mix, "opcode_mix": dict(list(st.opcode_mix.items())[:20]),
+    }
+
+
+# --- the fragment-order probe -------------------------------------------------------------------
+# The shipped e4m3 GEMMs take the expanded tile through shared memory to reach wgmma's A fragment
+# (docs/w4a8.md, "What the expansion costs"). This probe stores the nibbles in the fragment's own
+# order and checks, compiled for sm90, that Triton then hands the expanded tile to the FP8 wgmma
+# without a shared-memory trip (no local_alloc of the E4M3 operand), and what its loop costs.
+#
+# The layout (per 16-row block r and 64-K step q of a [N, K] weight matrix): 128 int32 words, word
+# j = ((g * 4 + t) * 2 + s) * 2 + h of lane 4 g + t. Its nibble n is element (row 16 r + 8 h + g,
+# K 64 q + 32 s + 4 t + n) for n < 4 and (same row, K 64 q + 32 s + 16 + 4 t + n - 4) for n >= 4: the
+# bytes of wgmma m64nNk32's 8-bit A fragment, lane 4 g + t: rows g and g + 8, K 4 t .. 4 t + 3 and
+# 16 + 4 t .. 16 + 4 t + 3 of each 32-K step. The exponent offsets (int8): with blocks of 32, 32 per
+# (r, q), offset (g * 2 + s) * 2 + h for (row 16 r + 8 h + g, K block 2 q + s); with blocks of 16,
+# 64 per (r, q), offset ((g * 2 + s) * 2 + h) * 2 + half for K block 4 q + 2 s + half (half 0: the
+# word's nibbles 0..3, half 1: 4..7).
+# The lookup of e4m3_expand with pack = 4: four copies of each operand per call, so its two outputs
+# are registers of 4 E4M3 bytes (element i in byte i), each one A-fragment register. Operands:
+# $2..$5 the word, then the tables: one block ($6..$9 low half, $10..$13 high half) for both
+# outputs, or (blocks of 16) $6 / $10 for the nibbles 0..3 and $14 / $18 for 4..7.
+FRAGMENT_LOOKUP_PTX_32 = E4M3_LOOKUP_PTX.replace("$4", "$10").replace("$3", "$6")
+FRAGMENT_LOOKUP_PTX_16 = (E4M3_LOOKUP_PTX.replace("prmt.b32 vlo, $3, $4, m;", "prmt.b32 vlo, $6, $10, m;")
+                          .replace("prmt.b32 vhi, $3, $4, mh;", "prmt.b32 vhi, $14, $18, mh;"))
+_FRAG_PTX_32 = tl.constexpr(FRAGMENT_LOOKUP_PTX_32)
+_FRAG_PTX_16 = tl.constexpr(FRAGMENT_LOOKUP_PTX_16)
+
+
+@triton.jit
+def _bytes4(x, R: tl.constexpr):
+    """uint32 [R, 128] -> its bytes uint8 [R, 128, 4], byte i at index i (join(a, b)[..., y] is a
+    for y = 0: so the inner joins pair bytes 0 / 2 and 1 / 3)."""
+    b = tl.join(tl.join(((x >> 0) & 0xFF).to(tl.uint8), ((x >> 16) & 0xFF).to(tl.uint8)),
+                tl.join(((x >> 8) & 0xFF).to(tl.uint8), ((x >> 24) & 0xFF).to(tl.uint8)))
+    return tl.reshape(b, (R, 128, 4))
+
+
+@triton.jit
+def fragment_tile(words, off_a, off_b, R: tl.constexpr, WB: tl.constexpr, USE_ASM: tl.constexpr):
+    """E4M3 tile [16 R, 64] (row 16 r + 8 h + g, K 32 s + 16 half + 4 t + i) of one 64-K step's
+    words int32 [R, 128] in the fragment order above, and their blocks' int32 offsets [R, 128]
+    (off_a: nibbles 0..3, off_b: 4..7; the same tensor for blocks of 32). USE_ASM: the table +
+    PRMT PTX with pack = 4; else plain Triton with the same bits (the interpreter)."""
+    ta_lo, ta_hi = e4m3_block_tables(off_a, USE_ASM)
+    if WB == 16:
+        tb_lo, tb_hi = e4m3_block_tables(off_b, USE_ASM)
+    else:
+        tb_lo, tb_hi = ta_lo, ta_hi
+    if USE_ASM:
+        w4 = tl.broadcast_to(words[:, :, None], (R, 128, 4))
+        ops = [w4, tl.broadcast_to(ta_lo[:, :, None], (R, 128, 4)), tl.broadcast_to(ta_hi[:, :, None], (R, 128, 4))]
+        if WB == 16:
+            ops += [tl.broadcast_to(tb_lo[:, :, None], (R, 128, 4)), tl.broadcast_to(tb_hi[:, :, None], (R, 128, 4))]
+            lo8, hi8 = tl.inline_asm_elementwise(_FRAG_PTX_16, "=r,=r" + ",r" * 20, ops, dtype=(tl.uint8, tl.uint8),
+                                                 is_pure=True, pack=4)
+        else:
+            lo8, hi8 = tl.inline_asm_elementwise(_FRAG_PTX_32, "=r,=r" + ",r" * 12, ops, dtype=(tl.uint8, tl.uint8),
+                                                 is_pure=True, pack=4)
+    else:
+        lo, _ = expand_e2m1_words_e4m3(words, ta_lo, ta_hi, False)
+        _, hi = expand_e2m1_words_e4m3(words, tb_lo, tb_hi, False)
+        lo8 = _bytes4(lo, R)
+        hi8 = _bytes4(hi, R)
+    x = tl.join(lo8, hi8)  # [R, 128 = (g, t, s, h), 4 (i), 2 (half)]
+    x = tl.reshape(x, (R, 8, 4, 2, 2, 4, 2))  # r g t s h i half
+    x = tl.permute(x, (0, 4, 1, 3, 6, 2, 5))  # r h g s half t i
+    return tl.reshape(x, (16 * R, 64)).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def w4a8_fragment_probe_kernel(w_ptr, off_ptr, x_ptr, out_ptr, K, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                               WB: tl.constexpr, USE_ASM: tl.constexpr):
+    """out fp32 [16 R, BLOCK_M] = W [16 R, K] @ x [K, BLOCK_M], one program: w_ptr int32 [R, K / 64,
+    128] and off_ptr int8 [R, K / 64, 1024 / WB] in the fragment order above, x E4M3 [K, BLOCK_M]
+    row-major."""
+    rb = tl.arange(0, R)
+    j = tl.arange(0, 128)
+    ob = ((j // 16) * 2 + (j // 2) % 2) * 2 + j % 2  # (g * 2 + s) * 2 + h: the word's block
+    rm = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((16 * R, BLOCK_M), dtype=tl.float32)
+    for q in range(0, K // 64):
+        step = rb[:, None] * (K // 64) + q
+        words = tl.load(w_ptr + step * 128 + j[None, :])
+        if WB == 16:
+            off_a = tl.load(off_ptr + step * 64 + 2 * ob[None, :]).to(tl.int32)
+            off_b = tl.load(off_ptr + step * 64 + 2 * ob[None, :] + 1).to(tl.int32)
+        else:
+            off_a = tl.load(off_ptr + step * 32 + ob[None, :]).to(tl.int32)
+            off_b = off_a
+        w = fragment_tile(words, off_a, off_b, R, WB, USE_ASM)
+        b = tl.load(x_ptr + (q * 64 + tl.arange(0, 64))[:, None] * BLOCK_M + rm[None, :])
+        acc = tl.dot(w, b, acc)
+    tl.store(out_ptr + tl.arange(0, 16 * R)[:, None] * BLOCK_M + rm[None, :], acc)
+
+
+def fragment_probe_report(weight_block: int = 32, rows: int = 256, block_m: int = 16, num_warps: int = 4,
+                          num_stages: int = 3, arch: int = 90) -> dict:
+    """Compile the fragment-order probe for sm<arch> (``rows`` weight rows x ``block_m`` tokens x 64
+    K per iteration) and measure it: the E4M3 operands that go through shared memory (the ttgir's
+    local_allocs of f8E4M3 tensors: the tokens always, the weights if the layouts do not line up),
+    the FP8 wgmma forms, whether A comes from registers, registers, spills and the hot loop."""
+    _require_compiler()
+    from . import sass
+
+    args = dict(w_ptr="*i32", off_ptr="*i8", x_ptr="*fp8e4nv", out_ptr="*fp32", K=3584)
+    consts = dict(R=rows // 16, BLOCK_M=block_m, WB=weight_block, USE_ASM=True)
+    c = compile_kernel(w4a8_fragment_probe_kernel, args, consts, arch, num_warps, num_stages)
+    ptx, ttgir, cubin = c.asm["ptx"], c.asm["ttgir"], c.asm["cubin"]
+    e4m3_allocs = sorted({m.group(1) for m in re.finditer(r"ttg\.local_alloc[^\n]*?tensor<(\d+x\d+)xf8E4M3FN", ttgir)})
+    # A layout conversion of the expanded bytes (through scratch shared memory or shuffles): a
+    # convert_layout of an E4M3 tensor, or of an 8-bit one of 3 or more dims (the joined bytes). The
+    # offsets' [R, 128] int8 load is converted too (to the words' layout): cheap, and not counted.
+    conversions = sum(1 for m in re.finditer(r"ttg\.convert_layout[^\n]*->\s*tensor<([\dx]+)x(f8E4M3FN|i8)\b", ttgir)
+                      if m.group(2) == "f8E4M3FN" or m.group(1).count("x") >= 2)
+    funcs = sass.disassemble(cubin)
+    name = next(n for n in funcs if "fragment_probe" in n)
+    ru = sass.resource_usage(cubin)[name]
+    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+    weights = rows * 64
+    return {
+        "kernel": name, "weight_block": weight_block, "rows": rows, "block_m": block_m, "block_k": 64,
+        "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
+        "e4m3_operands_through_shared": e4m3_allocs, "byte_tile_conversions": conversions,
+        "matrix_shared_ops_in_loop": {k: v for k, v in st.opcode_mix.items() if k.startswith(("STSM", "LDSM"))},
+        "wgmma_forms": sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)}),
+        "a_in_registers": bool(re.search(r"\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)),
+        "registers": ru.registers, "local_bytes": ru.local_bytes, "shared_bytes": c.metadata.shared,
+        "loop_instructions_per_warp": st.instructions, "loop_mma_per_warp": st.mma,
+        "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, num_warps, weights), 4),
+        "thread_instr_per_weight": round(32 * sass.warp_instr_per_weight(st.instructions, num_warps, weights), 2),
+        "opcode_mix": dict(list(st.opcode_mix.items())[:16]),
     }
 
 
@@ -212,7 +344,14 @@ def main(argv=None) -> int:
     ap.add_argument("--weight-block", type=int, choices=(16, 32), action="append",
                     help="with --mode: the weights' block (32 MXFP4, 16 NVFP4; default both)")
     ap.add_argument("--ptx-dir", help="with --mode: write the PTX of each last-arrival kernel into this folder")
+    ap.add_argument("--fragment-probe", action="store_true",
+                    help="compile the fragment-order probe (weights stored in wgmma's A-fragment order) for both "
+                         "weight blocks instead")
     a = ap.parse_args(argv)
+    if a.fragment_probe:
+        json.dump([fragment_probe_report(wb) for wb in (32, 16)], sys.stdout, indent=1)
+        print()
+        return 0
     if a.mode:
         import pathlib
 
