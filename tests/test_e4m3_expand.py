@@ -131,32 +131,37 @@ def test_float_form_is_the_exact_product():
 
 @triton.jit
 def _words_kernel(w_ptr, off_ptr, out_ptr, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
-    from k3nvfp4.kernels.moe_w4a8_details.kernels import expand_words
+    from k3nvfp4.kernels.moe_w4a8_details.kernels import _expanded_weights
 
+    blocks = tl.arange(0, R // 16)
     rows = tl.arange(0, R)
     for k0 in range(0, K, BLOCK_K):
-        w = expand_words(w_ptr, off_ptr, rows, k0, K, WB, R, BLOCK_K, False)
+        w = _expanded_weights(w_ptr, off_ptr, blocks, k0 // 64, K // 64, WB, R // 16, BLOCK_K)
         tl.store(out_ptr + rows[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], w.to(tl.uint8, bitcast=True))
 
 
 @pytest.mark.parametrize("wb", [32, 16])
-def test_word_form_tile_is_the_reference(wb):
-    """The W4A8 kernels' GPU expansion routine (moe_w4a8_details/kernels.expand_words: int32 word
-    loads, one table per block broadcast to its words, the lookup, the bytes joined back into K
-    order) with its plain-Triton table and lookup (the same bits as the PTX, which
-    test_e4m3_prmt_ptx.py checks), in the interpreter: equal to expand_e2m1_to_e4m3_reference
-    over every code in blocks of every offset of the window (and random rows), 2 K steps."""
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_word_form_tile_is_the_reference(wb, block_k):
+    """The W4A8 kernels' expansion routine (moe_w4a8_details/kernels._expanded_weights: the weights
+    in wgmma's fragment order, int32 word and int8 offset loads, e4m3_expand.fragment_tile's
+    plain-Triton tables and lookup, the same bits as the PTX, which test_e4m3_prmt_ptx.py and
+    test_w4a8_fragment_probe.py check) in the interpreter: the tile equal to
+    expand_e2m1_to_e4m3_reference in K order over every code in blocks of every offset of the
+    window (and random rows), 32 rows x 2 K steps of 64 or one of 128."""
     from k3nvfp4.kernels import formats
+    from k3nvfp4.kernels.moe_w4a8_details.fragment import to_fragment_order
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = np.random.default_rng(1)
-    R, K = 16, 128
+    R, K = 32, 128
     codes = g.integers(0, 16, (R, K), dtype=np.uint8)
     codes[: R // 2] = (np.arange(K)[None, :] * 7 + np.arange(R // 2)[:, None]) % 16  # every code in every block
     packed = torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4))
     offs = np.resize(OFFSETS, R * K // wb).reshape(R, K // wb)  # every offset in several blocks
     offs = torch.from_numpy(g.permuted(offs, axis=0).astype(np.int8))
+    words, frag_offs = to_fragment_order(packed, offs, wb)
     out = torch.empty(R, K, dtype=torch.uint8, device=dev)
-    _words_kernel[(1,)](packed.to(dev), offs.to(dev), out, K, WB=wb, R=R, BLOCK_K=64)
+    _words_kernel[(1,)](words.to(dev), frag_offs.to(dev), out, K, WB=wb, R=R, BLOCK_K=block_k)
     want = expand_e2m1_to_e4m3_reference(formats.unpack_e2m1(packed), offs.to(torch.int32).repeat_interleave(wb, dim=1))
     assert torch.equal(out.cpu(), want)

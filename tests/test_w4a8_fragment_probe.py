@@ -25,8 +25,9 @@ import torch
 
 from ptx_emulator import run
 from k3nvfp4.kernels.moe_details.e4m3_expand import E4M3_TABLE_PTX, expand_e2m1_to_e4m3_reference
-from k3nvfp4.kernels.offline.compile_w4a8 import (FRAGMENT_LOOKUP_PTX_16, FRAGMENT_LOOKUP_PTX_32,
-                                                  w4a8_fragment_probe_kernel)
+from k3nvfp4.kernels.moe_details.e4m3_expand import FRAGMENT_LOOKUP_PTX_16, FRAGMENT_LOOKUP_PTX_32
+from k3nvfp4.kernels.moe_w4a8_details.fragment import from_fragment_order, to_fragment_order
+from k3nvfp4.kernels.offline.compile_w4a8 import w4a8_fragment_probe_kernel
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
 
@@ -76,6 +77,24 @@ def test_probe_gemm_in_the_fragment_order_matches_float64(wb):
     scale = np.abs(w) @ np.abs(xq.astype(np.float64))
     err = np.abs(out.numpy().astype(np.float64) - want)
     assert (err <= 1e-6 * scale + 1e-30).all(), float((err / (scale + 1e-30)).max())
+
+
+@pytest.mark.parametrize("wb", [32, 16])
+def test_the_preparation_writes_this_layout_and_reads_it_back(wb):
+    """W4A8MoEWeights' storage (fragment.to_fragment_order, vectorized torch) equals the packer
+    above element by element, with experts as a leading dim, and from_fragment_order inverts it."""
+    rng = np.random.default_rng(10 + wb)
+    E, N, K = 2, 48, 192
+    codes = rng.integers(0, 16, size=(E, N, K), dtype=np.uint8)
+    j = rng.integers(-8, 7, size=(E, N, K // wb))
+    packed = torch.from_numpy(codes[..., 0::2] | (codes[..., 1::2] << 4))
+    offs = torch.from_numpy(j.astype(np.int8))
+    words, frag = to_fragment_order(packed, offs, wb)
+    for e in range(E):
+        want_w, want_o = _pack(codes[e], j[e], wb)
+        assert np.array_equal(words[e].numpy(), want_w) and np.array_equal(frag[e].numpy(), want_o)
+    back_p, back_o = from_fragment_order(words, frag, wb)
+    assert torch.equal(back_p, packed) and torch.equal(back_o, offs)
 
 
 def _word(codes: list[int]) -> int:

@@ -26,8 +26,11 @@ exact too, so any correct cast works: the GPU's cvt, or the interpreter's intege
 The table + PRMT form (the mode's kernels use it on a GPU; below the reference routines): one
 8-byte table of E4M3 bytes per block, then per 32-bit word of 8 nibbles two PRMT lookups and two
 sign PRMTs, as inline PTX (E4M3_TABLE_PTX, E4M3_LOOKUP_PTX), with a plain-Triton twin of the same
-bits. GEMM1's sm90 decode loop: about 3.1 thread instructions per weight, against 8.8 for the
-float form and about 27 for the integer form (docs/w4a8.md, Triton 3.8). The FP8 tensor cores do
+bits. fragment_tile (the mode's kernels) runs the lookup with pack = 4 on weights stored in wgmma's
+A-fragment order (moe_w4a8_details/fragment.py), so each lookup output is one fragment register:
+GEMM1's sm90 decode loop takes about 2.0 thread instructions per weight (blocks of 32; 3.1 with
+pack = 1 and the tile through shared memory, 8.8 for the float form, about 27 for the integer
+form; docs/w4a8.md, Triton 3.8). The FP8 tensor cores do
 about 4000 MACs per SM per clock, so with N tokens per MMA the issue budget is about N / 32
 instructions per weight (8 at N = 256).
 """
@@ -214,3 +217,58 @@ def expand_e2m1_words_e4m3(words, tlo, thi, USE_ASM: tl.constexpr):
         hi = (_lookup_byte(w, t64, 4) | (_lookup_byte(w, t64, 5) << 8) | (_lookup_byte(w, t64, 6) << 16)
               | (_lookup_byte(w, t64, 7) << 24))
         return lo, hi
+
+
+# The lookup with pack = 4 (fragment_tile, the weights in fragment order): four copies of each
+# operand per call, so its two outputs are registers of 4 E4M3 bytes (element i in byte i), each one A-fragment register. Operands:
+# $2..$5 the word, then the tables: one block ($6..$9 low half, $10..$13 high half) for both
+# outputs, or (blocks of 16) $6 / $10 for the nibbles 0..3 and $14 / $18 for 4..7.
+FRAGMENT_LOOKUP_PTX_32 = E4M3_LOOKUP_PTX.replace("$4", "$10").replace("$3", "$6")
+FRAGMENT_LOOKUP_PTX_16 = (E4M3_LOOKUP_PTX.replace("prmt.b32 vlo, $3, $4, m;", "prmt.b32 vlo, $6, $10, m;")
+                          .replace("prmt.b32 vhi, $3, $4, mh;", "prmt.b32 vhi, $14, $18, mh;"))
+_FRAG_PTX_32 = tl.constexpr(FRAGMENT_LOOKUP_PTX_32)
+_FRAG_PTX_16 = tl.constexpr(FRAGMENT_LOOKUP_PTX_16)
+
+
+@triton.jit
+def _bytes4(x, R: tl.constexpr, Q: tl.constexpr):
+    """uint32 [R, 128 Q] -> its bytes uint8 [R, 128 Q, 4], byte i at index i (join(a, b)[..., y] is a
+    for y = 0: so the inner joins pair bytes 0 / 2 and 1 / 3)."""
+    b = tl.join(tl.join(((x >> 0) & 0xFF).to(tl.uint8), ((x >> 16) & 0xFF).to(tl.uint8)),
+                tl.join(((x >> 8) & 0xFF).to(tl.uint8), ((x >> 24) & 0xFF).to(tl.uint8)))
+    return tl.reshape(b, (R, 128 * Q, 4))
+
+
+@triton.jit
+def fragment_tile(words, off_a, off_b, R: tl.constexpr, Q: tl.constexpr, WB: tl.constexpr, USE_ASM: tl.constexpr):
+    """E4M3 tile [16 R, 64 Q] (row 16 r + 8 h + g, K 64 q + 32 s + 16 half + 4 t + i) of Q 64-K
+    steps' words int32 [R, 128 Q] in the fragment order (moe_w4a8_details/fragment.py: word
+    128 q + ((g x 4 + t) x 2 + s) x 2 + h), and their blocks' int32 offsets [R, 128 Q] (off_a: the
+    nibbles 0..3, off_b: 4..7; the same tensor for blocks of 32). USE_ASM: the table + PRMT PTX with
+    pack = 4, each output register one wgmma A-fragment register; else plain Triton with the same
+    bits (the interpreter)."""
+    ta_lo, ta_hi = e4m3_block_tables(off_a, USE_ASM)
+    if WB == 16:
+        tb_lo, tb_hi = e4m3_block_tables(off_b, USE_ASM)
+    else:
+        tb_lo, tb_hi = ta_lo, ta_hi
+    if USE_ASM:
+        shape: tl.constexpr = (R, 128 * Q, 4)  # four copies: pack = 4 gives one register per operand copy
+        ops = [tl.broadcast_to(words[:, :, None], shape), tl.broadcast_to(ta_lo[:, :, None], shape),
+               tl.broadcast_to(ta_hi[:, :, None], shape)]
+        if WB == 16:
+            ops += [tl.broadcast_to(tb_lo[:, :, None], shape), tl.broadcast_to(tb_hi[:, :, None], shape)]
+            lo8, hi8 = tl.inline_asm_elementwise(_FRAG_PTX_16, "=r,=r" + ",r" * 20, ops, dtype=(tl.uint8, tl.uint8),
+                                                 is_pure=True, pack=4)
+        else:
+            lo8, hi8 = tl.inline_asm_elementwise(_FRAG_PTX_32, "=r,=r" + ",r" * 12, ops, dtype=(tl.uint8, tl.uint8),
+                                                 is_pure=True, pack=4)
+    else:
+        lo, _ = expand_e2m1_words_e4m3(words, ta_lo, ta_hi, False)
+        _, hi = expand_e2m1_words_e4m3(words, tb_lo, tb_hi, False)
+        lo8 = _bytes4(lo, R, Q)
+        hi8 = _bytes4(hi, R, Q)
+    x = tl.join(lo8, hi8)  # [R, 128 Q = (q, g, t, s, h), 4 (i), 2 (half)]
+    x = tl.reshape(x, (R, Q, 8, 4, 2, 2, 4, 2))  # r q g t s h i half
+    x = tl.permute(x, (0, 5, 2, 1, 4, 7, 3, 6))  # r h g q s half t i
+    return tl.reshape(x, (16 * R, 64 * Q)).to(tl.float8e4nv, bitcast=True)

@@ -1,6 +1,7 @@
 """Triton jit kernels of the Hopper W4A8 mode ("e4m3"): 4-bit weights expanded exactly to E4M3 in
-registers (moe_details/e4m3_expand.py: its table + PRMT PTX on a GPU, its float form in the
-interpreter), FP8 activations, ``tl.dot`` on E4M3 x E4M3
+registers (moe_details/e4m3_expand.fragment_tile: its table + PRMT PTX on a GPU, each lookup output
+one wgmma A-fragment register because the weights are stored in the fragment's order; its
+plain-Triton twin in the interpreter), FP8 activations, ``tl.dot`` on E4M3 x E4M3
 (FP8 wgmma ``.e4m3.e4m3`` on sm90), fp32 accumulators. docs/w4a8.md gives the numerics:
 
 - activations and the SiTU intermediate: E4M3 with one fp32 scale s = amax / 448 per token per 128
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from ..moe_details.activation import gated_act
 from ..interpreter import interpret_requested
-from ..moe_details.e4m3_expand import e2m1_pow2_scale, e2m1_times_pow2, e4m3_block_tables, expand_e2m1_words_e4m3
+from ..moe_details.e4m3_expand import fragment_tile
 from ..moe_details.routing_kernels import align_small
 from ..moe_details.skeleton import (accumulator, block_program, block_rows, combine_by_last_arrival, k_range,
                                     split_k_arrive, split_k_sum, zero_dropped_tokens)
@@ -92,49 +93,27 @@ def route_quant_kernel(
 
 
 @triton.jit
-def _byte(x, i: tl.constexpr):
-    return ((x >> (8 * i)) & 0xFF).to(tl.uint8)
-
-
-@triton.jit
-def expand_words(w_e, off_e, rows, k0, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_ASM: tl.constexpr):
-    """E4M3 weight tile [R, BLOCK_K] (rows: int [R], K elements k0 .. k0 + BLOCK_K) of nibbles
-    uint8 [rows, K/2] (low = even element) and int8 offsets [rows, K/WB], expanded exactly by
-    e4m3_expand's table + PRMT form: one 8-byte table per block, then per 32-bit word of 8
-    nibbles two lookups (USE_ASM: inline PTX; else the same bits in plain Triton, so the
-    interpreter checks this routine's loads, broadcasts and byte order)."""
-    off = tl.load(off_e + rows[:, None] * (K // WB) + (k0 // WB + tl.arange(0, BLOCK_K // WB))[None, :])
-    words = tl.load(w_e.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
-                    + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])  # 8 nibbles: element 8w + n
-    tlo, thi = e4m3_block_tables(off.to(tl.int32), USE_ASM)  # [R, BLOCK_K / WB]
-    tlo = tl.reshape(tl.broadcast_to(tlo[:, :, None], (R, BLOCK_K // WB, WB // 8)), (R, BLOCK_K // 8))
-    thi = tl.reshape(tl.broadcast_to(thi[:, :, None], (R, BLOCK_K // WB, WB // 8)), (R, BLOCK_K // 8))
-    lo, hi = expand_e2m1_words_e4m3(words, tlo, thi, USE_ASM)  # bytes of elements 0..3, 4..7
-    # x[..., a, b, c] = element 4a + 2b + c of the word: its flat order
-    x = tl.join(tl.join(tl.join(_byte(lo, 0), _byte(hi, 0)), tl.join(_byte(lo, 2), _byte(hi, 2))),
-                tl.join(tl.join(_byte(lo, 1), _byte(hi, 1)), tl.join(_byte(lo, 3), _byte(hi, 3))))
-    return tl.reshape(x, (R, BLOCK_K)).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
-def _expanded_weights(w_e, off_e, rows, k0, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """E4M3 weight tile [R, BLOCK_K] of one expert (pointers at the expert), expanded exactly.
-    GPU: expand_words with e4m3_expand's inline PTX (GEMM1's sm90 decode loop: 400 instructions
-    per warp per iteration, ~3.1 thread instructions per weight, against 1126 for the float form,
-    Triton 3.8); interpreter: e4m3_expand's float form. Both give the reference's bytes
-    (tests/test_e4m3_prmt_ptx.py, tests/test_e4m3_expand.py)."""
-    if _USE_ASM:
-        return expand_words(w_e, off_e, rows, k0, K, WB, R, BLOCK_K, True)
+def _expanded_weights(w_e, off_e, blocks, step, KQ, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """E4M3 weight tile [16 R, BLOCK_K] of one expert (pointers at the expert; the weights in
+    wgmma's A-fragment order, moe_w4a8_details/fragment.py: words int32 [N/16, K/64, 128], offsets
+    int8 [N/16, K/64, 1024/WB]): the 16-row blocks ``blocks`` int [R], the BLOCK_K / 64 K steps of
+    64 from ``step`` (KQ = K / 64 per row block). Tile row 16 i + 8 h + g is row 16 blocks[i] +
+    8 h + g. Expanded exactly by e4m3_expand.fragment_tile: on a GPU its table + PRMT PTX, each
+    lookup output one A-fragment register (no shared-memory trip to the MMA); in the interpreter its
+    plain-Triton twin, the same bits."""
+    Q: tl.constexpr = BLOCK_K // 64
+    j = tl.arange(0, 128 * Q)  # (q, word): word ((g * 4 + t) * 2 + s) * 2 + h
+    ql = j // 128
+    ob = ((j // 16) % 8 * 2 + (j // 2) % 2) * 2 + j % 2  # the word's (row, 32-K) block in its step
+    steps = blocks[:, None].to(tl.int64) * KQ + step + ql[None, :]  # [R, 128 Q]
+    words = tl.load(w_e + steps * 128 + (j % 128)[None, :])
+    if WB == 16:
+        off_a = tl.load(off_e + steps * 64 + 2 * ob[None, :]).to(tl.int32)
+        off_b = tl.load(off_e + steps * 64 + 2 * ob[None, :] + 1).to(tl.int32)
     else:
-        off = tl.load(off_e + rows[:, None] * (K // WB) + (k0 // WB + tl.arange(0, BLOCK_K // WB))[None, :])
-        packed = tl.load(w_e + rows[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, BLOCK_K))
-        # the float form of e4m3_expand: one fp32 2^(14 + j) per block, broadcast over its weights;
-        # E2M1 bits in an fp16 x that factor is the product exactly, so the cast to E4M3 is exact
-        sc = e2m1_pow2_scale(off.to(tl.int32))
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (R, BLOCK_K // WB, WB)), (R, BLOCK_K))
-        return _f32_to_e4m3(e2m1_times_pow2(codes, sc))
+        off_a = tl.load(off_e + steps * 32 + ob[None, :]).to(tl.int32)
+        off_b = off_a
+    return fragment_tile(words, off_a, off_b, R, Q, WB, _USE_ASM)
 
 
 @triton.jit
@@ -158,9 +137,10 @@ def w4a8_gemm1_kernel(
     """GEMM1 + gated activation + the intermediate's quantization, one (row block, column tile of
     BLOCK_N columns of I, K slice).
 
-    aq E4M3 [M, H], as fp32 [M, cdiv(H, 128)]: the tokens, read through pair -> token; w uint8
-    [E, 2I, H/2], off int8 [E, 2I, H/WB], rs fp32 [E, 2I]. ONE MMA operand of 2 x BLOCK_N weight
-    rows per K step (gate rows n .., then up rows I + n ..; a tile past I re-reads row I - 1),
+    aq E4M3 [M, H], as fp32 [M, cdiv(H, 128)]: the tokens, read through pair -> token; w int32
+    [E, 2I/16, H/64, 128] and off int8 [E, 2I/16, H/64, 1024/WB] (the fragment order of
+    moe_w4a8_details/fragment.py), rs fp32 [E, 2I]. ONE MMA operand of 2 x BLOCK_N weight rows per
+    K step (gate rows n .., then up rows I + n ..; a tile past I re-reads I's last 16-row block),
     tokens on N. The row factors multiply the accumulator before split-K's partials (fp32
     [SPLIT_K, max_padded, 2I], counters tickets[block, column tile]). The finishing program:
     SiTU / SiLU in fp32, columns past I zeroed, then E4M3 per token per 128 columns -> o E4M3
@@ -179,13 +159,18 @@ def w4a8_gemm1_kernel(
     n_row = tl.minimum(pid_n * BLOCK_N + r % BLOCK_N, I - 1).to(tl.int64)
     w_rows = tl.where(r < BLOCK_N, n_row, I + n_row)
     two_i = 2 * I
-    w_e = w_ptr + expert * two_i * (H // 2)
+    w_e = w_ptr + expert * two_i * (H // 8)  # int32 words, 8 nibbles each
     off_e = off_ptr + expert * two_i * (H // WB)
+    # the operand's 16-row blocks: gate blocks, then up blocks (a tile past I re-reads the last one)
+    RB: tl.constexpr = BLOCK_N // 16
+    b = tl.arange(0, 2 * RB)
+    nb = tl.minimum(pid_n * RB + b % RB, I // 16 - 1)
+    blocks = tl.where(b < RB, nb, I // 16 + nb)
     acc = accumulator(BLOCK_M, 2 * BLOCK_N, True)
     step_lo, step_hi = k_range(pid_k, H, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
-        w = _expanded_weights(w_e, off_e, w_rows, k0, H, WB, 2 * BLOCK_N, BLOCK_K)
+        w = _expanded_weights(w_e, off_e, blocks, step * (BLOCK_K // 64), H // 64, WB, 2 * RB, BLOCK_K)
         acc = _k_step(acc, w, aq_ptr, as_ptr, token, k0, H, BLOCK_K)
     acc = acc * tl.load(rs_ptr + expert * two_i + w_rows)[:, None]
     g, u = _split_gate_up(acc, BLOCK_M, BLOCK_N, True)  # each [BN, BM]
@@ -217,7 +202,7 @@ def w4a8_gemm2_kernel(
 ):
     """GEMM2 of one (row block, column tile, K slice): the E4M3 intermediate rows of the block
     (sorted order; aq [max_padded, I], as fp32 [max_padded, cdiv(I, 128)]) x the expanded w2[expert]
-    (uint8 [E, H, I/2], off int8 [E, H, I/WB]), times w2's row factors rs fp32 [E, H]; then the
+    (int32 [E, H/16, I/64, 128], off int8 [E, H/16, I/64, 1024/WB]: the fragment order), times w2's row factors rs fp32 [E, H]; then the
     skeleton's combine_by_last_arrival: x routing weight, the top-k sum (slot order through buf
     fp32 [SPLIT_K, M k, H], or ATOMIC: fp32 adds into buf [M, H] zeroed by the caller), x scale,
     cast: out [M, H]."""
@@ -229,13 +214,15 @@ def w4a8_gemm2_kernel(
     expert, offs_m = block_rows(block_expert_ptr, pid_b, BLOCK_M)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     w_rows = tl.minimum(offs_n, H - 1)  # a tile past H re-reads row H - 1 (never stored)
-    w_e = w_ptr + expert * H * (I // 2)
+    w_e = w_ptr + expert * H * (I // 8)  # int32 words, 8 nibbles each
     off_e = off_ptr + expert * H * (I // WB)
+    RB: tl.constexpr = BLOCK_N // 16
+    blocks = tl.minimum(pid_n * RB + tl.arange(0, RB), H // 16 - 1)  # a tile past H re-reads the last block
     acc = accumulator(BLOCK_M, BLOCK_N, True)
     step_lo, step_hi = k_range(pid_k, I, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
-        w = _expanded_weights(w_e, off_e, w_rows, k0, I, WB, BLOCK_N, BLOCK_K)
+        w = _expanded_weights(w_e, off_e, blocks, step * (BLOCK_K // 64), I // 64, WB, RB, BLOCK_K)
         acc = _k_step(acc, w, aq_ptr, as_ptr, offs_m, k0, I, BLOCK_K)
     acc = acc * tl.load(rs_ptr + expert * H + w_rows)[:, None]
     combine_by_last_arrival(acc, 1.0, offs_m, topk_w_ptr, topk_ids_ptr, stride_im, stride_ik,

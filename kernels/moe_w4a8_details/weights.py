@@ -1,8 +1,9 @@
 """W4A8MoEWeights: the routed experts of one layer prepared for the Hopper W4A8 mode ("e4m3"):
 E2M1 nibbles as the checkpoint stores them (out-of-window blocks re-encoded), one int8 exponent
 offset per block (expanded exactly to E4M3 in registers, moe_details/e4m3_expand.py) and one fp32
-factor per weight row (2^r x scale_2, applied to the accumulator row in the epilogue). The rule
-and its window are prep.py's (docs/w4a8.md derives them).
+factor per weight row (2^r x scale_2, applied to the accumulator row in the epilogue), nibbles and
+offsets stored in wgmma's A-fragment order (fragment.py). The rule and its window are prep.py's
+(docs/w4a8.md derives them).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..moe_details.weights import ExpertWeights, gate_up_scale_2, validate_modelopt
+from .fragment import from_fragment_order, to_fragment_order
 from .prep import W4A8Weights, prepare_w4a8_from_mxfp4, prepare_w4a8_from_nvfp4
 
 # H and I of the mode: whole 64-wide K steps (GEMM1 runs K = H, GEMM2 K = I) with no masks on the
@@ -26,12 +28,14 @@ W4A8_ACT_QUANT = "e4m3"
 class W4A8MoEWeights(ExpertWeights):
     """Routed-expert weights of one layer for the W4A8 kernels (moe_w4a8_details/kernels.py).
 
-      w13            uint8 [E, 2I, H/2]   gate (w1) rows then up (w3) rows, E2M1 nibbles (low = even)
-      w13_offsets    int8 [E, 2I, H/block]  per block j_b in [-8, 6]: E4M3 = E2M1 x 2^j_b exactly
+      w13            int32 [E, 2I/16, H/64, 128]   gate (w1) rows then up (w3) rows, E2M1 nibbles
+      w13_offsets    int8 [E, 2I/16, H/64, 1024/block]  per block j_b in [-8, 6]: E4M3 = E2M1 x 2^j_b
       w13_row_scale  float32 [E, 2I]      2^r x scale_2 of each row (gate rows the gate's scale_2)
-      w2             uint8 [E, H, I/2]
-      w2_offsets     int8 [E, H, I/block]
+      w2             int32 [E, H/16, I/64, 128]
+      w2_offsets     int8 [E, H/16, I/64, 1024/block]
       w2_row_scale   float32 [E, H]
+    (nibbles and offsets in the fragment order of fragment.py: the bytes of the logical
+    uint8 [E, N, K/2] nibbles and int8 [E, N, K/block] offsets, reordered; matrices() gives those)
       block          32 (from MXFP4: one E8M0 per 32) or 16 (from power-of-two NVFP4)
       out_of_window  blocks below their row's 14-binade window, re-encoded (w13 + w2)
       rounded        those of them whose values changed (lossy; warned at preparation)
@@ -92,16 +96,20 @@ class W4A8MoEWeights(ExpertWeights):
 
     @classmethod
     def _of(cls, p13: W4A8Weights, p2: W4A8Weights, H: int, I: int) -> "W4A8MoEWeights":
-        return cls(p13.packed.contiguous(), p13.offsets.contiguous(), p13.row_scale.contiguous(),
-                   p2.packed.contiguous(), p2.offsets.contiguous(), p2.row_scale.contiguous(), H, I, p13.block,
+        w13, o13 = to_fragment_order(p13.packed, p13.offsets, p13.block)
+        w2, o2 = to_fragment_order(p2.packed, p2.offsets, p2.block)
+        return cls(w13, o13, p13.row_scale.contiguous(), w2, o2, p2.row_scale.contiguous(), H, I, p13.block,
                    p13.out_of_window + p2.out_of_window, p13.rounded + p2.rounded)
 
     def matrices(self) -> tuple[W4A8Weights, W4A8Weights]:
-        """(w13, w2) as prep.W4A8Weights (for the torch reference: expand_e4m3, dequantize)."""
+        """(w13, w2) as prep.W4A8Weights in the logical layout (nibbles uint8 [E, N, K/2], offsets int8
+        [E, N, K/block]; for the torch reference: expand_e4m3, dequantize)."""
         r13 = torch.zeros(self.w13_row_scale.shape, dtype=torch.int32, device=self.device)  # row exponent folded
         r2 = torch.zeros(self.w2_row_scale.shape, dtype=torch.int32, device=self.device)
-        return (W4A8Weights("w13", self.w13, self.w13_offsets, r13, self.w13_row_scale, self.block, 0, 0),
-                W4A8Weights("w2", self.w2, self.w2_offsets, r2, self.w2_row_scale, self.block, 0, 0))
+        p13, o13 = from_fragment_order(self.w13, self.w13_offsets, self.block)
+        p2, o2 = from_fragment_order(self.w2, self.w2_offsets, self.block)
+        return (W4A8Weights("w13", p13, o13, r13, self.w13_row_scale, self.block, 0, 0),
+                W4A8Weights("w2", p2, o2, r2, self.w2_row_scale, self.block, 0, 0))
 
     def to(self, device) -> "W4A8MoEWeights":
         return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in (

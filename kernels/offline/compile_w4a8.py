@@ -26,8 +26,8 @@ import sys
 import triton
 import triton.language as tl
 
-from ..moe_details.e4m3_expand import (E4M3_LOOKUP_PTX, e4m3_block_tables, expand_e2m1_to_e4m3,
-                                       expand_e2m1_words_e4m3)
+from ..moe_details.e4m3_expand import (FRAGMENT_LOOKUP_PTX_16, FRAGMENT_LOOKUP_PTX_32, expand_e2m1_to_e4m3,
+                                       fragment_tile)
 from .compile import _require_compiler, compile_kernel
 
 # The FP8 wgmma of Hopper: K = 32 per instruction, fp32 accumulators, E4M3 x E4M3.
@@ -98,66 +98,8 @@ def probe_report(block_n: int = 64, block_m: int = 64, block_k: int = 128, num_w
 # order and checks, compiled for sm90, that Triton then hands the expanded tile to the FP8 wgmma
 # without a shared-memory trip (no local_alloc of the E4M3 operand), and what its loop costs.
 #
-# The layout (per 16-row block r and 64-K step q of a [N, K] weight matrix): 128 int32 words, word
-# j = ((g * 4 + t) * 2 + s) * 2 + h of lane 4 g + t. Its nibble n is element (row 16 r + 8 h + g,
-# K 64 q + 32 s + 4 t + n) for n < 4 and (same row, K 64 q + 32 s + 16 + 4 t + n - 4) for n >= 4: the
-# bytes of wgmma m64nNk32's 8-bit A fragment, lane 4 g + t: rows g and g + 8, K 4 t .. 4 t + 3 and
-# 16 + 4 t .. 16 + 4 t + 3 of each 32-K step. The exponent offsets (int8): with blocks of 32, 32 per
-# (r, q), offset (g * 2 + s) * 2 + h for (row 16 r + 8 h + g, K block 2 q + s); with blocks of 16,
-# 64 per (r, q), offset ((g * 2 + s) * 2 + h) * 2 + half for K block 4 q + 2 s + half (half 0: the
-# word's nibbles 0..3, half 1: 4..7).
-# The lookup of e4m3_expand with pack = 4: four copies of each operand per call, so its two outputs
-# are registers of 4 E4M3 bytes (element i in byte i), each one A-fragment register. Operands:
-# $2..$5 the word, then the tables: one block ($6..$9 low half, $10..$13 high half) for both
-# outputs, or (blocks of 16) $6 / $10 for the nibbles 0..3 and $14 / $18 for 4..7.
-FRAGMENT_LOOKUP_PTX_32 = E4M3_LOOKUP_PTX.replace("$4", "$10").replace("$3", "$6")
-FRAGMENT_LOOKUP_PTX_16 = (E4M3_LOOKUP_PTX.replace("prmt.b32 vlo, $3, $4, m;", "prmt.b32 vlo, $6, $10, m;")
-                          .replace("prmt.b32 vhi, $3, $4, mh;", "prmt.b32 vhi, $14, $18, mh;"))
-_FRAG_PTX_32 = tl.constexpr(FRAGMENT_LOOKUP_PTX_32)
-_FRAG_PTX_16 = tl.constexpr(FRAGMENT_LOOKUP_PTX_16)
-
-
-@triton.jit
-def _bytes4(x, R: tl.constexpr):
-    """uint32 [R, 128] -> its bytes uint8 [R, 128, 4], byte i at index i (join(a, b)[..., y] is a
-    for y = 0: so the inner joins pair bytes 0 / 2 and 1 / 3)."""
-    b = tl.join(tl.join(((x >> 0) & 0xFF).to(tl.uint8), ((x >> 16) & 0xFF).to(tl.uint8)),
-                tl.join(((x >> 8) & 0xFF).to(tl.uint8), ((x >> 24) & 0xFF).to(tl.uint8)))
-    return tl.reshape(b, (R, 128, 4))
-
-
-@triton.jit
-def fragment_tile(words, off_a, off_b, R: tl.constexpr, WB: tl.constexpr, USE_ASM: tl.constexpr):
-    """E4M3 tile [16 R, 64] (row 16 r + 8 h + g, K 32 s + 16 half + 4 t + i) of one 64-K step's
-    words int32 [R, 128] in the fragment order above, and their blocks' int32 offsets [R, 128]
-    (off_a: nibbles 0..3, off_b: 4..7; the same tensor for blocks of 32). USE_ASM: the table +
-    PRMT PTX with pack = 4; else plain Triton with the same bits (the interpreter)."""
-    ta_lo, ta_hi = e4m3_block_tables(off_a, USE_ASM)
-    if WB == 16:
-        tb_lo, tb_hi = e4m3_block_tables(off_b, USE_ASM)
-    else:
-        tb_lo, tb_hi = ta_lo, ta_hi
-    if USE_ASM:
-        w4 = tl.broadcast_to(words[:, :, None], (R, 128, 4))
-        ops = [w4, tl.broadcast_to(ta_lo[:, :, None], (R, 128, 4)), tl.broadcast_to(ta_hi[:, :, None], (R, 128, 4))]
-        if WB == 16:
-            ops += [tl.broadcast_to(tb_lo[:, :, None], (R, 128, 4)), tl.broadcast_to(tb_hi[:, :, None], (R, 128, 4))]
-            lo8, hi8 = tl.inline_asm_elementwise(_FRAG_PTX_16, "=r,=r" + ",r" * 20, ops, dtype=(tl.uint8, tl.uint8),
-                                                 is_pure=True, pack=4)
-        else:
-            lo8, hi8 = tl.inline_asm_elementwise(_FRAG_PTX_32, "=r,=r" + ",r" * 12, ops, dtype=(tl.uint8, tl.uint8),
-                                                 is_pure=True, pack=4)
-    else:
-        lo, _ = expand_e2m1_words_e4m3(words, ta_lo, ta_hi, False)
-        _, hi = expand_e2m1_words_e4m3(words, tb_lo, tb_hi, False)
-        lo8 = _bytes4(lo, R)
-        hi8 = _bytes4(hi, R)
-    x = tl.join(lo8, hi8)  # [R, 128 = (g, t, s, h), 4 (i), 2 (half)]
-    x = tl.reshape(x, (R, 8, 4, 2, 2, 4, 2))  # r g t s h i half
-    x = tl.permute(x, (0, 4, 1, 3, 6, 2, 5))  # r h g s half t i
-    return tl.reshape(x, (16 * R, 64)).to(tl.float8e4nv, bitcast=True)
-
-
+# The layout: kernels/moe_w4a8_details/fragment.py; the expansion: moe_details/e4m3_expand.py
+# (fragment_tile).
 @triton.jit
 def w4a8_fragment_probe_kernel(w_ptr, off_ptr, x_ptr, out_ptr, K, R: tl.constexpr, BLOCK_M: tl.constexpr,
                                WB: tl.constexpr, USE_ASM: tl.constexpr):
@@ -178,7 +120,7 @@ def w4a8_fragment_probe_kernel(w_ptr, off_ptr, x_ptr, out_ptr, K, R: tl.constexp
         else:
             off_a = tl.load(off_ptr + step * 32 + ob[None, :]).to(tl.int32)
             off_b = off_a
-        w = fragment_tile(words, off_a, off_b, R, WB, USE_ASM)
+        w = fragment_tile(words, off_a, off_b, R, 1, WB, USE_ASM)
         b = tl.load(x_ptr + (q * 64 + tl.arange(0, 64))[:, None] * BLOCK_M + rm[None, :])
         acc = tl.dot(w, b, acc)
     tl.store(out_ptr + tl.arange(0, 16 * R)[:, None] * BLOCK_M + rm[None, :], acc)
@@ -240,7 +182,7 @@ def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int
     _require_compiler()
     from ..moe_w4a8_details import kernels as K
 
-    common = dict(aq_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*u8", off_ptr="*i8", rs_ptr="*fp32", tickets_ptr="*i32",
+    common = dict(aq_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*i32", off_ptr="*i8", rs_ptr="*fp32", tickets_ptr="*i32",
                   sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k,
                   H=H, I=I)
     consts = dict(WB=weight_block, BLOCK_M=config.block_m)
