@@ -79,7 +79,9 @@ def stale_tile_rows(rows: list[dict]) -> list[str]:
 def stale_w4a8_rows(rows: list[dict]) -> list[str]:
     """Shipped e4m3 GEMMs (the report's "e4m3" rows) whose compile today disagrees with their
     cost_table entry ("w4a8 e4m3/<block>": the worse of split-K 1 and 2): shared memory within 1 KiB,
-    at least the CTAs per SM the model assumed, the loop within 5 %."""
+    at least the CTAs per SM the model assumed, the loop at most 5 % longer than the table's and at
+    most 10 % shorter (the table keeps the worse split-K compile, which can be ~6 % longer than the
+    other: 371 against 352 for GEMM1 bm64 bk128 w8)."""
     from k3nvfp4.kernels import perf_model as pm
     from k3nvfp4.kernels.costs import tile_cost
     from k3nvfp4.kernels.moe_w4a8_details.config import COST_ARCH, W4A8Config
@@ -102,7 +104,8 @@ def stale_w4a8_rows(rows: list[dict]) -> list[str]:
                 out.append(f"{where}: shared {k['shared_bytes']} B > table {cost.shared_bytes} + 1024")
             if k["ctas_per_sm"] < modelled:
                 out.append(f"{where}: {k['ctas_per_sm']} CTAs/SM < the table's {modelled}")
-            if abs(k["instructions_per_iteration"] - cost.instructions_per_iteration) > 0.05 * cost.instructions_per_iteration:
+            loop, table = k["instructions_per_iteration"], cost.instructions_per_iteration
+            if loop > 1.05 * table or loop < 0.90 * table:
                 out.append(f"{where}: loop {k['instructions_per_iteration']} instructions vs table "
                            f"{cost.instructions_per_iteration}")
     return out

@@ -283,8 +283,11 @@ COSTS: dict[tuple[str, int, str], dict[str, tuple[int, int, int, int]]] = {
         'gemm2 bm128 noswap bn128 bk128 w8 s3': (246, 206, 148480, 0),
     },
     ('3.8', 90, 'w4a8 e4m3/16'): {
+        'gemm1 bm16 swap bn128 bk128 w4 s3': (673, 235, 43008, 0),
         'gemm1 bm16 swap bn128 bk64 w4 s3': (316, 154, 21504, 0),
+        'gemm1 bm32 swap bn128 bk128 w4 s3': (745, 255, 49152, 48),
         'gemm1 bm32 swap bn128 bk64 w4 s3': (376, 255, 22528, 0),
+        'gemm1 bm64 swap bn128 bk128 w8 s3': (463, 255, 61440, 0),
         'gemm1 bm64 swap bn128 bk64 w8 s3': (273, 250, 28672, 0),
         'gemm2 bm16 swap bn128 bk128 w4 s3': (375, 113, 24576, 0),
         'gemm2 bm16 swap bn128 bk128 w4 s3 atomic': (375, 113, 24576, 0),
@@ -312,8 +315,11 @@ COSTS: dict[tuple[str, int, str], dict[str, tuple[int, int, int, int]]] = {
         'gemm2 bm64 swap bn64 bk64 w8 s3 atomic': (161, 95, 16896, 0),
     },
     ('3.8', 90, 'w4a8 e4m3/32'): {
+        'gemm1 bm16 swap bn128 bk128 w4 s3': (481, 217, 43008, 0),
         'gemm1 bm16 swap bn128 bk64 w4 s3': (253, 154, 21504, 0),
+        'gemm1 bm32 swap bn128 bk128 w4 s3': (553, 255, 49152, 48),
         'gemm1 bm32 swap bn128 bk64 w4 s3': (326, 254, 22528, 0),
+        'gemm1 bm64 swap bn128 bk128 w8 s3': (371, 255, 61440, 0),
         'gemm1 bm64 swap bn128 bk64 w8 s3': (249, 248, 28672, 0),
         'gemm2 bm16 swap bn128 bk128 w4 s3': (289, 113, 24576, 0),
         'gemm2 bm16 swap bn128 bk128 w4 s3 atomic': (289, 113, 24576, 0),

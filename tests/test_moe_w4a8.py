@@ -287,3 +287,30 @@ def test_large_call_routing_path_silu_and_empty_batch(layer, monkeypatch):
     assert float((got - ref).abs().max()) <= 1e-3 * float(ref.abs().max()) and float(ref.abs().max()) > 0
     empty = fused_moe_nvfp4(x[:0], w, tw[:0], ids[:0])
     assert empty.shape == (0, H)
+
+
+def test_k_steps_of_128_read_the_fragment_order_like_steps_of_64():
+    """GEMM1 and GEMM2 at K steps of 128 (two 64-K steps of the fragment-order words per iteration,
+    one promotion per activation group: what the heuristic picks where H or I allows) on a layer
+    whose H and I are multiples of 128: the same output as at K steps of 64 up to fp32 rounding,
+    and both within the reference's fp32 rounding."""
+    g = np.random.default_rng(3)
+    E2, H2, I2, M2 = 2, 256, 256, 5
+    mats = []
+    for n, k in ((2 * I2, H2), (H2, I2)):
+        mats += [torch.from_numpy(g.integers(0, 256, (E2, n, k // 2), dtype=np.uint8)),
+                 torch.from_numpy(g.integers(118, 124, (E2, n, k // 32)).astype(np.uint8))]
+    w = W4A8MoEWeights.from_mxfp4(*mats)
+    x = torch.from_numpy(g.standard_normal((M2, H2)).astype(np.float32))
+    ids = torch.from_numpy(np.stack([g.permutation(E2) for _ in range(M2)]).astype(np.int32))
+    tw = torch.from_numpy(g.random((M2, E2)).astype(np.float32) + 0.1)
+    ref = fused_moe_w4a8_reference(x, w, tw, ids).double()
+    outs = {}
+    for bk in (64, 128):
+        cfg = W4A8Config(block_m=16, block_k1=bk, block_k2=bk)
+        outs[bk] = run_w4a8(x.to(DEV), w.to(DEV), tw.to(DEV), ids.to(DEV), config=cfg).out.double().cpu()
+    scale = ref.abs().max()
+    assert scale > 0.1
+    for bk, out in outs.items():
+        assert (out - ref).abs().max() <= 1e-5 * scale, (bk, float((out - ref).abs().max() / scale))
+    assert (outs[128] - outs[64]).abs().max() <= 1e-5 * scale

@@ -100,17 +100,20 @@ class W4A8Config:
     @staticmethod
     def candidates(H: int, I: int) -> tuple["W4A8Config", ...]:
         """The tile shapes the heuristic chooses among for H, I (multiples of 64), without split-K:
-        GEMM1 128 columns of I (256 MMA rows) at K step 64 (K = 128 spills on sm90, Triton 3.8:
-        docs/w4a8.md); every (block_m, num_warps) of TOKEN_TILES; GEMM2 64 or 128 columns of H at
-        K step 128 where I allows, else 64; each with GEMM2's top-k sum by last arrival and by fp32
-        atomics (the atomic sum moves 2 x fewer bytes per (pair, column) than the slot rows stored and
-        summed: what decides TP prefill, where GEMM2 is byte-bound, docs/w4a8.md)."""
+        GEMM1 128 columns of I (256 MMA rows) at K step 64, and 128 where H allows (one fp32
+        promotion per activation group instead of two; with the weights in the fragment order it
+        fits the registers at 16 and 64 tokens, the cost table says which tiles spill and the
+        heuristic skips those); every (block_m, num_warps) of TOKEN_TILES; GEMM2 64 or 128 columns
+        of H at K step 128 where I allows, else 64; each with GEMM2's top-k sum by last arrival and
+        by fp32 atomics (the atomic sum moves 2 x fewer bytes per (pair, column) than the slot rows
+        stored and summed: what decides TP prefill, where GEMM2 is byte-bound, docs/w4a8.md)."""
         out = []
         for bm, warps in TOKEN_TILES:
-            for bn2 in GEMM2_BLOCK_N:
-                base = W4A8Config(block_m=bm, block_n1=128, block_n2=bn2, block_k1=64,
-                                  block_k2=128 if I % 128 == 0 else 64, num_warps=warps)
-                out += [base, replace(base, atomic_reduce=True)]
+            for bk1 in ((64, 128) if H % 128 == 0 else (64,)):
+                for bn2 in GEMM2_BLOCK_N:
+                    base = W4A8Config(block_m=bm, block_n1=128, block_n2=bn2, block_k1=bk1,
+                                      block_k2=128 if I % 128 == 0 else 64, num_warps=warps)
+                    out += [base, replace(base, atomic_reduce=True)]
         return tuple(out)
 
     @classmethod

@@ -53,8 +53,9 @@ _W4A16_SPACES: dict[str, list[dict[str, list]]] = {
 }
 
 # e4m3: block_m and num_warps go together (W4A8Config's TOKEN_TILES: 8 warps hold GEMM1's
-# 256-row accumulators at 64 tokens). block_n1 stays 128 and block_k1 64: wider GEMM1 tiles or
-# K steps of 128 spill on sm90 (docs/w4a8.md); the offline launch check drops what spills anyway.
+# 256-row accumulators at 64 tokens). block_n1 stays 128 (wider GEMM1 tiles spill on sm90); GEMM1's
+# K step is 64 or 128 (128 fits at 16 and 64 tokens with the fragment-order weights, docs/w4a8.md);
+# the offline launch check drops what spills anyway.
 _TOKEN_TILES = [{"block_m": bm, "num_warps": w} for bm, w in TOKEN_TILES]
 _W4A8_SPACES: dict[str, list[dict[str, list]]] = {
     "tiny": [{"block_n2": [64, 128]}],
@@ -65,14 +66,14 @@ _W4A8_SPACES: dict[str, list[dict[str, list]]] = {
     ],
     "default": [
         {"tile": _TOKEN_TILES},
-        {"split_k1": [1, 2, 4, 8, 16]},
+        {"block_k1": [64, 128], "split_k1": [1, 2, 4, 8, 16]},
         {"block_n2": [64, 128], "split_k2": [1, 2, 4, 8]},
         {"block_k2": [64, 128], "num_stages": [2, 3, 4]},
         {"atomic_reduce": [False, True]},
     ],
     "wide": [
         {"tile": _TOKEN_TILES},
-        {"split_k1": [1, 2, 4, 8, 16], "num_stages": [2, 3, 4]},
+        {"block_k1": [64, 128], "split_k1": [1, 2, 4, 8, 16], "num_stages": [2, 3, 4]},
         {"block_n2": [64, 128, 256], "split_k2": [1, 2, 4, 8, 16]},
         {"block_k2": [64, 128]},
         {"atomic_reduce": [False, True]},
