@@ -220,9 +220,10 @@ def expand_e2m1_words_e4m3(words, tlo, thi, USE_ASM: tl.constexpr):
 
 
 # The lookup with pack = 4 (fragment_tile, the weights in fragment order): four copies of each
-# operand per call, so its two outputs are registers of 4 E4M3 bytes (element i in byte i), each one A-fragment register. Operands:
-# $2..$5 the word, then the tables: one block ($6..$9 low half, $10..$13 high half) for both
-# outputs, or (blocks of 16) $6 / $10 for the nibbles 0..3 and $14 / $18 for 4..7.
+# operand per call, so its two outputs are registers of 4 E4M3 bytes (element i in byte i), each
+# one A-fragment register. Operands: $2..$5 the word, then the tables: one block ($6..$9 low half,
+# $10..$13 high half) for both outputs, or (blocks of 16) $6 / $10 for the nibbles 0..3 and
+# $14 / $18 for 4..7.
 FRAGMENT_LOOKUP_PTX_32 = E4M3_LOOKUP_PTX.replace("$4", "$10").replace("$3", "$6")
 FRAGMENT_LOOKUP_PTX_16 = (E4M3_LOOKUP_PTX.replace("prmt.b32 vlo, $3, $4, m;", "prmt.b32 vlo, $6, $10, m;")
                           .replace("prmt.b32 vhi, $3, $4, mh;", "prmt.b32 vhi, $14, $18, mh;"))

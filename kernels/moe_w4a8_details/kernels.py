@@ -202,10 +202,10 @@ def w4a8_gemm2_kernel(
 ):
     """GEMM2 of one (row block, column tile, K slice): the E4M3 intermediate rows of the block
     (sorted order; aq [max_padded, I], as fp32 [max_padded, cdiv(I, 128)]) x the expanded w2[expert]
-    (int32 [E, H/16, I/64, 128], off int8 [E, H/16, I/64, 1024/WB]: the fragment order), times w2's row factors rs fp32 [E, H]; then the
-    skeleton's combine_by_last_arrival: x routing weight, the top-k sum (slot order through buf
-    fp32 [SPLIT_K, M k, H], or ATOMIC: fp32 adds into buf [M, H] zeroed by the caller), x scale,
-    cast: out [M, H]."""
+    (int32 [E, H/16, I/64, 128], off int8 [E, H/16, I/64, 1024/WB]: the fragment order), times
+    w2's row factors rs fp32 [E, H]; then the skeleton's combine_by_last_arrival: x routing
+    weight, the top-k sum (slot order through buf fp32 [SPLIT_K, M k, H], or ATOMIC: fp32 adds
+    into buf [M, H] zeroed by the caller), x scale, cast: out [M, H]."""
     pid_b, pid_n, pid_k, used = block_program(num_padded_ptr, BLOCK_M)
     if not used:
         zero_dropped_tokens(out_ptr, stride_om, stride_oh, topk_ids_ptr, stride_im, stride_ik, pid_b, pid_n, pid_k,
