@@ -1,8 +1,9 @@
 """The fragment-order weight layout of the Hopper W4A8 mode, probed (docs/w4a8.md, "A pre-permuted
-weight layout"; kernels/offline/compile_w4a8.py: fragment_tile, w4a8_fragment_probe_kernel).
+weight layout"; kernels/offline/compile_w4a8.py: w4a8_fragment_probe_kernel, a GEMM around the
+mode's own loads and expansion, moe_w4a8_details/kernels._expanded_weights -> e4m3_expand.fragment_tile).
 
-- In the interpreter: the probe GEMM (its plain-Triton path: the same join / reshape / permute
-  chain as the compiled one) on weights packed HERE from the layout's written definition by an
+- In the interpreter: the probe GEMM (the expansion's plain-Triton path: the same join / reshape /
+  permute chain as the compiled one) on weights packed HERE from the layout's written definition by an
   independent numpy packer, against a float64 product (E2M1 x 2^j exact, tokens through
   ml_dtypes' E4M3), for blocks of 32 (MXFP4) and 16 (NVFP4).
 - The pack = 4 lookup PTX of both block sizes, run by tests/ptx_emulator.py with Triton's operand
@@ -73,7 +74,7 @@ def test_probe_gemm_in_the_fragment_order_matches_float64(wb):
     out = torch.empty(N, M, dtype=torch.float32)
     x = torch.from_numpy(xq.view(np.uint8).copy()).view(torch.float8_e4m3fn)
     w4a8_fragment_probe_kernel[(1,)](torch.from_numpy(words), torch.from_numpy(offs), x, out, K,
-                                     R=N // 16, BLOCK_M=M, WB=wb, USE_ASM=False)
+                                     R=N // 16, BLOCK_M=M, WB=wb)
     scale = np.abs(w) @ np.abs(xq.astype(np.float64))
     err = np.abs(out.numpy().astype(np.float64) - want)
     assert (err <= 1e-6 * scale + 1e-30).all(), float((err / (scale + 1e-30)).max())

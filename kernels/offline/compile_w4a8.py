@@ -26,8 +26,8 @@ import sys
 import triton
 import triton.language as tl
 
-from ..moe_details.e4m3_expand import (FRAGMENT_LOOKUP_PTX_16, FRAGMENT_LOOKUP_PTX_32, expand_e2m1_to_e4m3,
-                                       fragment_tile)
+from ..moe_details.e4m3_expand import expand_e2m1_to_e4m3
+from ..moe_w4a8_details.kernels import _expanded_weights
 from .compile import _require_compiler, compile_kernel
 
 # The FP8 wgmma of Hopper: K = 32 per instruction, fp32 accumulators, E4M3 x E4M3.
@@ -98,29 +98,20 @@ def probe_report(block_n: int = 64, block_m: int = 64, block_k: int = 128, num_w
 # order and checks, compiled for sm90, that Triton then hands the expanded tile to the FP8 wgmma
 # without a shared-memory trip (no local_alloc of the E4M3 operand), and what its loop costs.
 #
-# The layout: kernels/moe_w4a8_details/fragment.py; the expansion: moe_details/e4m3_expand.py
-# (fragment_tile).
+# The layout: kernels/moe_w4a8_details/fragment.py; the loads and the expansion are the mode's own
+# (moe_w4a8_details/kernels._expanded_weights -> moe_details/e4m3_expand.fragment_tile: the table +
+# PRMT PTX when compiled, its plain-Triton twin in the interpreter), so the probe measures them alone.
 @triton.jit
 def w4a8_fragment_probe_kernel(w_ptr, off_ptr, x_ptr, out_ptr, K, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                               WB: tl.constexpr, USE_ASM: tl.constexpr):
+                               WB: tl.constexpr):
     """out fp32 [16 R, BLOCK_M] = W [16 R, K] @ x [K, BLOCK_M], one program: w_ptr int32 [R, K / 64,
     128] and off_ptr int8 [R, K / 64, 1024 / WB] in the fragment order above, x E4M3 [K, BLOCK_M]
     row-major."""
     rb = tl.arange(0, R)
-    j = tl.arange(0, 128)
-    ob = ((j // 16) * 2 + (j // 2) % 2) * 2 + j % 2  # (g * 2 + s) * 2 + h: the word's block
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((16 * R, BLOCK_M), dtype=tl.float32)
     for q in range(0, K // 64):
-        step = rb[:, None] * (K // 64) + q
-        words = tl.load(w_ptr + step * 128 + j[None, :])
-        if WB == 16:
-            off_a = tl.load(off_ptr + step * 64 + 2 * ob[None, :]).to(tl.int32)
-            off_b = tl.load(off_ptr + step * 64 + 2 * ob[None, :] + 1).to(tl.int32)
-        else:
-            off_a = tl.load(off_ptr + step * 32 + ob[None, :]).to(tl.int32)
-            off_b = off_a
-        w = fragment_tile(words, off_a, off_b, R, 1, WB, USE_ASM)
+        w = _expanded_weights(w_ptr, off_ptr, rb, q, K // 64, WB, R, 64)
         b = tl.load(x_ptr + (q * 64 + tl.arange(0, 64))[:, None] * BLOCK_M + rm[None, :])
         acc = tl.dot(w, b, acc)
     tl.store(out_ptr + tl.arange(0, 16 * R)[:, None] * BLOCK_M + rm[None, :], acc)
@@ -136,7 +127,7 @@ def fragment_probe_report(weight_block: int = 32, rows: int = 256, block_m: int 
     from . import sass
 
     args = dict(w_ptr="*i32", off_ptr="*i8", x_ptr="*fp8e4nv", out_ptr="*fp32", K=3584)
-    consts = dict(R=rows // 16, BLOCK_M=block_m, WB=weight_block, USE_ASM=True)
+    consts = dict(R=rows // 16, BLOCK_M=block_m, WB=weight_block)
     c = compile_kernel(w4a8_fragment_probe_kernel, args, consts, arch, num_warps, num_stages)
     ptx, ttgir, cubin = c.asm["ptx"], c.asm["ttgir"], c.asm["cubin"]
     e4m3_allocs = sorted({m.group(1) for m in re.finditer(r"ttg\.local_alloc[^\n]*?tensor<(\d+x\d+)xf8E4M3FN", ttgir)})
