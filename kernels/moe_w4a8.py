@@ -17,8 +17,9 @@ memset and the quantization one launch. No host synchronisation (CUDA-graph capt
 
 Where it runs: sm89 / sm90 and newer (FP8 ``tl.dot``; on sm90 ``wgmma ... e4m3.e4m3``,
 the static report's e4m3 rows, tests/test_launch_configs.py), or Triton's interpreter. On a GPU the weights are
-expanded by moe_details/e4m3_expand.py's per-block table + PRMT lookup (inline PTX, about 3 thread
-instructions per weight in GEMM1's sm90 loop), in the interpreter by its exact float form. No GPU
+expanded by moe_details/e4m3_expand.py's per-block table + PRMT lookup (inline PTX on weights
+stored in wgmma's fragment order, about 2 thread instructions per weight in GEMM1's sm90 loop), in
+the interpreter by its plain-Triton twin (the same bits). No GPU
 speed is measured, so this mode is selectable, not the default.
 """
 

@@ -104,32 +104,6 @@ def test_probe_gemm_multiplies_the_prepared_weights():
 
 
 @triton.jit
-def _float_form_kernel(codes_ptr, offset_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    from k3nvfp4.kernels.moe_details.e4m3_expand import e2m1_pow2_scale, e2m1_times_pow2
-
-    i = tl.arange(0, BLOCK)
-    keep = i < n
-    c = tl.load(codes_ptr + i, mask=keep, other=0)
-    j = tl.load(offset_ptr + i, mask=keep, other=0)
-    tl.store(out_ptr + i, e2m1_times_pow2(c, e2m1_pow2_scale(j)), mask=keep)
-
-
-def test_float_form_is_the_exact_product():
-    """The float form (what the W4A8 kernels use): fp32 E2M1(code) x 2^j exactly, signed zeros
-    included, over all 16 codes x the window; so its E4M3 cast is the integer form's byte."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    codes, offs, want = _all_cases()
-    out = torch.empty(codes.size, dtype=torch.float32, device=dev)
-    _float_form_kernel[(1,)](torch.from_numpy(codes).to(dev), torch.from_numpy(offs).to(dev), out, codes.size,
-                             BLOCK=256)
-    got = out.cpu().numpy()
-    v = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64) * np.ldexp(1.0, offs)
-    assert np.array_equal(got.astype(np.float64), v)
-    assert np.array_equal(np.signbit(got), codes >= 8)  # -0 for code 8
-    assert np.array_equal(got.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), want)
-
-
-@triton.jit
 def _words_kernel(w_ptr, off_ptr, out_ptr, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
     from k3nvfp4.kernels.moe_w4a8_details.kernels import _expanded_weights
 

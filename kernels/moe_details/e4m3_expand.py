@@ -16,12 +16,9 @@ Why integers only: with Triton 3.8, booleans (tl.where masks, comparisons) kept 
 expansion that feeds tl.dot failed to compile for sm90 ("local_alloc element type bit width must be
 a multiple of 8"); the masks here are integers (arithmetic shifts of int32 give 0 / -1).
 
-The float form (the W4A8 mode's kernels use it under Triton's interpreter): place the code's 3
-magnitude bits at fp16 mantissa/exponent bits 9..11 and its sign at bit 15. That fp16 is
-E2M1(code) x 2^-14 exactly: codes 0 and 1 land on fp16 subnormals (1 << 9 is 2^-15), codes 2..7 on
-normals with exponent field p. Times the per-block fp32 2^(14 + j) (e2m1_pow2_scale) it is
-E2M1(code) x 2^j, exact (a power-of-two product in fp32's normal range). Its cast to E4M3 is then
-exact too, so any correct cast works: the GPU's cvt, or the interpreter's integer one.
+(A float form, E2M1 bits placed in an fp16 times the block's fp32 2^(14 + j), served the
+interpreter until 2026-12-06; the kernels now take fragment_tile's plain-Triton twin there, and
+the float form is gone. Its loop cost is quoted below for comparison.)
 
 The table + PRMT form (the mode's kernels use it on a GPU; below the reference routines): one
 8-byte table of E4M3 bytes per block, then per 32-bit word of 8 nibbles two PRMT lookups and two
@@ -91,26 +88,8 @@ def expand_e2m1_to_e4m3(codes, offset):
     return ((c & 8) << 4) | (mag_byte & (0 - nonzero))
 
 
-@triton.jit
-def e2m1_pow2_scale(offset):
-    """int32 offsets j in [-8, 6] -> fp32 2^(14 + j), the factor of e2m1_times_pow2 (exact: normal
-    fp32 bits built from the exponent)."""
-    return ((offset + (14 + 127)) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def e2m1_times_pow2(codes, scale):
-    """codes: integer tensor of E2M1 codes (0..15); scale: fp32 2^(14 + j) from e2m1_pow2_scale,
-    broadcastable to codes. Returns fp32 E2M1(code) x 2^j exactly (module docstring: the float
-    form); -0 for code 8. Cast it to E4M3 with any correct cast (exact: no rounding happens)."""
-    c = codes.to(tl.int16)
-    h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
-    return h.to(tl.float32) * scale
-
-
-
 # ---------------------------------------------------------------------------------------------
-# The GPU form: a per-block byte table and PRMT (inline PTX; the interpreter takes the float form).
+# The GPU form: a per-block byte table and PRMT (inline PTX; the interpreter takes its plain-Triton twin).
 #
 # For one block with offset j the E4M3 bytes of E2M1(mag) x 2^j, mag = 0..7, are a table of 8
 # bytes in two registers (tlo: mags 0..3, thi: mags 4..7). With B = 8 j + 48 (the E4M3 byte of

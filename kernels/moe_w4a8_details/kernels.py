@@ -37,7 +37,7 @@ from ..moe_fp4_details.kernels import _f32_to_e4m3, _split_gate_up
 
 GROUP = 128  # activation / intermediate scale group (columns)
 # On a GPU the weights expand by e4m3_expand's inline PTX (per-block byte table + PRMT); Triton's
-# interpreter has no inline asm and takes the float form (the same bytes: both are exact).
+# interpreter has no inline asm and takes its plain-Triton twin (the same bits).
 _USE_ASM = tl.constexpr(not interpret_requested())
 
 
