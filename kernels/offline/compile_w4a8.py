@@ -32,6 +32,27 @@ from .compile import _require_compiler, compile_kernel
 
 # The FP8 wgmma of Hopper: K = 32 per instruction, fp32 accumulators, E4M3 x E4M3.
 WGMMA_E4M3 = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3")
+# A from registers: the operand after the accumulator list is a second {...} register list.
+_A_IN_REGISTERS = re.compile(r"\.e4m3\.e4m3\s*\{[^}]*\},\s*\{")
+
+
+def fp8_wgmma_facts(ptx: str) -> dict:
+    """What a compiled GEMM's PTX says about its MMA: the FP8 wgmma forms and count, any bf16 wgmma
+    (a decomposition), and whether the first operand comes from registers."""
+    return {"wgmma_forms": sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)}),
+            "wgmma_e4m3_in_ptx": len(WGMMA_E4M3.findall(ptx)),
+            "wgmma_bf16_in_ptx": len(re.findall(r"wgmma\.mma_async[^;]*\.bf16\.bf16", ptx)),
+            "a_in_registers": bool(_A_IN_REGISTERS.search(ptx))}
+
+
+def _function_loop(cubin: bytes, name_part: str):
+    """(name, sass.ResourceUsage, sass.LoopStats) of the cubin's function whose name holds
+    ``name_part``: its registers and spills, and its hot loop."""
+    from . import sass
+
+    funcs = sass.disassemble(cubin)
+    name = next(n for n in funcs if name_part in n)
+    return name, sass.resource_usage(cubin)[name], sass.loop_stats(sass.hot_loop(funcs[name]))
 
 
 @triton.jit
@@ -70,20 +91,11 @@ def probe_report(block_n: int = 64, block_m: int = 64, block_k: int = 128, num_w
     from . import sass
 
     c = compile_probe(block_n, block_m, block_k, num_warps, num_stages)
-    ptx = c.asm["ptx"]
-    forms = sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)})
-    # A from registers: the operand after the accumulator list is a second {...} register list
-    a_in_registers = bool(re.search(r"\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx))
-    cubin = c.asm["cubin"]
-    funcs = sass.disassemble(cubin)
-    name = next(n for n in funcs if "w4a8_probe" in n)
-    ru = sass.resource_usage(cubin)[name]
-    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+    name, ru, st = _function_loop(c.asm["cubin"], "w4a8_probe")
     weights = block_n * block_k
     return {
         "kernel": name, "block_n": block_n, "block_m": block_m, "block_k": block_k, "num_warps": num_warps,
-        "num_stages": num_stages, "triton": triton.__version__,
-        "wgmma_forms": forms, "wgmma_e4m3_in_ptx": len(WGMMA_E4M3.findall(ptx)), "a_in_registers": a_in_registers,
+        "num_stages": num_stages, "triton": triton.__version__, **fp8_wgmma_facts(c.asm["ptx"]),
         "registers": ru.registers, "local_bytes": ru.local_bytes, "shared_bytes": c.metadata.shared,
         "loop_instructions_per_warp": st.instructions, "loop_mma_per_warp": st.mma,
         "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, num_warps, weights), 4),
@@ -129,25 +141,21 @@ def fragment_probe_report(weight_block: int = 32, rows: int = 256, block_m: int 
     args = dict(w_ptr="*i32", off_ptr="*i8", x_ptr="*fp8e4nv", out_ptr="*fp32", K=3584)
     consts = dict(R=rows // 16, BLOCK_M=block_m, WB=weight_block)
     c = compile_kernel(w4a8_fragment_probe_kernel, args, consts, arch, num_warps, num_stages)
-    ptx, ttgir, cubin = c.asm["ptx"], c.asm["ttgir"], c.asm["cubin"]
+    ttgir = c.asm["ttgir"]
     e4m3_allocs = sorted({m.group(1) for m in re.finditer(r"ttg\.local_alloc[^\n]*?tensor<(\d+x\d+)xf8E4M3FN", ttgir)})
     # A layout conversion of the expanded bytes (through scratch shared memory or shuffles): a
     # convert_layout of an E4M3 tensor, or of an 8-bit one of 3 or more dims (the joined bytes). The
     # offsets' [R, 128] int8 load is converted too (to the words' layout): cheap, and not counted.
     conversions = sum(1 for m in re.finditer(r"ttg\.convert_layout[^\n]*->\s*tensor<([\dx]+)x(f8E4M3FN|i8)\b", ttgir)
                       if m.group(2) == "f8E4M3FN" or m.group(1).count("x") >= 2)
-    funcs = sass.disassemble(cubin)
-    name = next(n for n in funcs if "fragment_probe" in n)
-    ru = sass.resource_usage(cubin)[name]
-    st = sass.loop_stats(sass.hot_loop(funcs[name]))
+    name, ru, st = _function_loop(c.asm["cubin"], "fragment_probe")
     weights = rows * 64
     return {
         "kernel": name, "weight_block": weight_block, "rows": rows, "block_m": block_m, "block_k": 64,
         "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
         "e4m3_operands_through_shared": e4m3_allocs, "byte_tile_conversions": conversions,
         "matrix_shared_ops_in_loop": {k: v for k, v in st.opcode_mix.items() if k.startswith(("STSM", "LDSM"))},
-        "wgmma_forms": sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)}),
-        "a_in_registers": bool(re.search(r"\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)),
+        **fp8_wgmma_facts(c.asm["ptx"]),
         "registers": ru.registers, "local_bytes": ru.local_bytes, "shared_bytes": c.metadata.shared,
         "loop_instructions_per_warp": st.instructions, "loop_mma_per_warp": st.mma,
         "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, num_warps, weights), 4),
@@ -203,7 +211,6 @@ def measure_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 3072, top_k: in
 
     c = compiled or compile_w4a8_gemm(kind, config, H, I, top_k, arch, weight_block)
     cost, st = loop_statics(c, config.num_warps)
-    ptx = c.asm["ptx"]
     rows = 2 * config.block_n1 if kind == "gemm1" else config.block_n2
     bk = config.block_k1 if kind == "gemm1" else config.block_k2
     return {
@@ -215,10 +222,7 @@ def measure_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 3072, top_k: in
         "registers": cost.registers, "local_bytes": cost.local_bytes, "shared_bytes": cost.shared_bytes,
         "mma_per_iteration": st.mma, "local_memory_ops_in_loop": st.local_memory_ops,
         "family_mix": st.family_mix, "opcode_mix": dict(list(st.opcode_mix.items())[:15]),
-        "wgmma_forms": sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)}),
-        "wgmma_e4m3_in_ptx": len(WGMMA_E4M3.findall(ptx)),
-        "wgmma_bf16_in_ptx": len(re.findall(r"wgmma\.mma_async[^;]*\.bf16\.bf16", ptx)),
-        "a_in_registers": bool(re.search(r"\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)),
+        **fp8_wgmma_facts(c.asm["ptx"]),
     }
 
 
@@ -232,7 +236,6 @@ def mode_report(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16,
     names the file, the kernel's PTX parameters and the sum's buffer (the memory-ordering check of
     tests/ptx_ordering.py reads them)."""
     from ..moe_w4a8_details.config import W4A8Config
-    from . import sass
 
     out = []
     for tag, kw in W4A8_CONFIGS:
@@ -244,14 +247,8 @@ def mode_report(arch: int = 90, H: int = 3584, I: int = 192, top_k: int = 16,
                 try:
                     c = compile_w4a8_gemm(kind, cfg, H, I, top_k, arch, wb)
                     ptx = c.asm["ptx"]
-                    cubin = c.asm["cubin"]
-                    funcs = sass.disassemble(cubin)
-                    name = next(n for n in funcs if "gemm" in n)
-                    ru = sass.resource_usage(cubin)[name]
-                    st = sass.loop_stats(sass.hot_loop(funcs[name]))
-                    rec.update(wgmma_forms=sorted({m.group(0) for m in WGMMA_E4M3.finditer(ptx)}),
-                               wgmma_e4m3_in_ptx=len(WGMMA_E4M3.findall(ptx)),
-                               wgmma_bf16_in_ptx=len(re.findall(r"wgmma\.mma_async[^;]*\.bf16\.bf16", ptx)),
+                    _name, ru, st = _function_loop(c.asm["cubin"], "gemm")
+                    rec.update(**fp8_wgmma_facts(ptx),
                                registers=ru.registers, local_bytes=ru.local_bytes, shared_bytes=c.metadata.shared,
                                loop_instructions_per_warp=st.instructions, loop_mma_per_warp=st.mma)
                     if ptx_dir is not None and (kind == "gemm2" or cfg.split_k1 > 1):
