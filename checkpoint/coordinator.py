@@ -274,10 +274,16 @@ class GlooCoordinator:
         transfer failed, with the error."""
         import torch.distributed as dist
 
-        works = [(p, dist.irecv(buf, src=p, group=self._group), dist.isend(send, dst=p, group=self._group))
-                 for p, buf in recv.items()]
+        works, lost = [], []
+        for p, buf in recv.items():
+            # Posting fails too, not only the wait: gloo's isend to a rank whose connection has
+            # already closed raises at once ("Connection closed by peer"); that names p just as well.
+            try:
+                works.append((p, dist.irecv(buf, src=p, group=self._group),
+                              dist.isend(send, dst=p, group=self._group)))
+            except RuntimeError as exc:
+                lost.append((p, exc))
         deadline = time.monotonic() + self.rank_timeout_s
-        lost = []
         for p, r, w in works:
             for work in (r, w):
                 try:

@@ -293,6 +293,32 @@ def test_a_failure_during_an_exchange_is_raised_by_the_exchange_with_the_lock_fr
         signal.signal(signal.SIGUSR1, saved)
 
 
+def test_a_peer_whose_connection_closed_before_the_round_is_named(monkeypatch):
+    """A round after a rank was killed: gloo's isend to it raises as it is posted ("Connection
+    closed by peer", seen in CI) rather than in the wait. The survivor still names that rank as
+    vanished, not "the heartbeat between ranks failed"."""
+    import torch.distributed as dist
+
+    class Done:
+        def wait(self, timeout=None):
+            return True
+
+    def isend(tensor, dst, group=None):
+        if dst == 1:
+            raise RuntimeError("[/x/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                               "[127.0.0.1]:48845. This is typically caused by a remote worker crashing.")
+        return Done()
+
+    monkeypatch.setattr(dist, "irecv", lambda tensor, src, group=None: Done())
+    monkeypatch.setattr(dist, "isend", isend)
+    coord = GlooCoordinator(RankSpec(2, 3, "command line", "tcp://127.0.0.1:1", "127.0.0.1:1"))
+    coord.hosts = ["a", "b", "c"]
+    with pytest.raises(RankFailure) as info:
+        coord._round(coord._status)
+    assert str(info.value) == ("rank 1 (b) vanished: its connection closed (killed or crashed?): "
+                               "Connection closed by peer [127.0.0.1]:48845"), str(info.value)
+
+
 def test_ranks_started_unlike_each_other_are_refused_naming_the_difference(source, tmp_path):
     """Rank 1 gets --w4a4, rank 0 not: both refuse at start (exit 2), naming the option and the
     ranks, before the output is even created."""
