@@ -181,6 +181,7 @@ def _section_rows(result: dict) -> dict[str, list[dict]]:
     return {"rows": result.get("rows", []), "fp4_modes": result.get("fp4_modes", []),
             "b200.fp4": result.get("b200", {}).get("fp4", []), "b200.w4a16": result.get("b200", {}).get("w4a16", []),
             "marlin": result.get("marlin", {}).get("rows", []), "flashinfer": result.get("flashinfer", {}).get("rows", []),
+            "flashinfer_w4a8": result.get("flashinfer_w4a8", {}).get("rows", []),
             "e4m3": result.get("e4m3", {}).get("rows", [])}
 
 
@@ -263,6 +264,35 @@ def flashinfer_findings(statics: list[dict]) -> list[str]:
     return out
 
 
+def flashinfer_w4a8_findings(statics: list[dict]) -> list[str]:
+    """FlashInfer's measured W4A8 kernels (flashinfer_sass.flashinfer_w4a8_rows) have the shape
+    flashinfer_model.flashinfer_w4a8_call assumes: the kernels of W4A8_VARIANTS, FP8 QGMMA with
+    the weights from registers, (M / 64) x (K / 32) MMAs per warp an iteration, no spill, known
+    shared memory that fits an SM, 11 launches a call, 0.53125 B per weight."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from peers import flashinfer_sass as fs
+
+    out = []
+    have = [(r["kernel_type"], (r["tile"]["M"], r["tile"]["N"], r["tile"]["K"])) for r in statics]
+    if have != list(fs.W4A8_VARIANTS):
+        out.append(f"flashinfer w4a8: kernels {have} != W4A8_VARIANTS {list(fs.W4A8_VARIANTS)}")
+    for r in statics:
+        t = r["tile"]
+        name = f"flashinfer w4a8 {t['M']}x{t['N']}x{t['K']} {r['kernel_type']}"
+        single = r["kernel_type"] != "warp_specialized"
+        checks = [(t["mma_atom"] == f"MMA_64x{t['N']}x32_F32E4M3E4M3_RS", "FP8 MMA atom, A from registers"),
+                  (r["registers"] > 0 and r["local_bytes"] == 0, "registers / spills"),
+                  (r["mma_per_iteration"] == (t["M"] // 64) * (t["K"] // 32) > 0, "MMAs per iteration"),
+                  (r["weights_per_iteration"] == t["M"] * t["K"], "weights per iteration"),
+                  (0.03 < r["warp_instr_per_weight"] < 0.3, "warp-instructions per weight"),
+                  (r["num_warps"] == (fs.SINGLE_WARPGROUP_WARPS if single else fs.CTA_WARPS), "CTA warps"),
+                  (r["shared_bytes"] is not None and 0 < r["shared_bytes"] <= 232448, "shared memory"),
+                  (r["launches_per_call"] == 11, "launches per call"),
+                  (r["bytes_per_weight"] == 0.53125, "bytes per weight")]
+        out += [f"{name}: {what}" for ok, what in checks if not ok]
+    return out
+
+
 def run_checks(result: dict, committed_path: pathlib.Path = COMMITTED) -> list[str]:
     """Every finding of --check, one line each (empty: nothing moved, nothing stale)."""
     findings = [f"stale W4A16 tile table: {x}" for x in stale_tile_rows(result.get("rows", []))]
@@ -272,6 +302,8 @@ def run_checks(result: dict, committed_path: pathlib.Path = COMMITTED) -> list[s
         findings += marlin_library_findings()
     if result.get("flashinfer", {}).get("available"):
         findings += flashinfer_findings(result["flashinfer"]["statics"])
+    if result.get("flashinfer_w4a8", {}).get("available"):
+        findings += flashinfer_w4a8_findings(result["flashinfer_w4a8"]["statics"])
     if result.get("fp4_modes"):
         findings += stale_fp4_table()
     if not committed_path.is_file():

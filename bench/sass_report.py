@@ -428,6 +428,22 @@ def flashinfer_section(m_list) -> dict:
             "rows": rows}
 
 
+def flashinfer_w4a8_section(m_list) -> dict:
+    """FlashInfer's SM90 CUTLASS W4A8 MoE (MXFP4 x FP8, use_wfp4afp8_humming) under the model
+    (H200, I % 128 == 0): each GEMM at the fastest measured kernel the binding admits."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from peers.flashinfer_model import flashinfer_w4a8_call
+        from peers.flashinfer_sass import flashinfer_w4a8_rows
+
+        statics = flashinfer_w4a8_rows(str(REPO / "build" / "peers" / "flashinfer"))
+    except Exception as e:
+        return {"available": False, "reason": f"{type(e).__name__}: {e}", "rows": []}
+    rows = _peer_rows("flashinfer w4a8", flashinfer_w4a8_call, statics, m_list)
+    return {"available": True, "statics": [{k: v for k, v in r.items() if k not in ("opcode_mix", "nvcc_command")}
+                                           for r in statics], "rows": rows}
+
+
 def fp4_mode_rows(arch: int) -> list[dict]:
     """The FP4 tensor-core modes' GEMMs (act_quant nvfp4 / mxfp8) on Blackwell: tcgen05 MMA kind,
     block scaling, no decomposition (no wgmma / mma.sync), registers and spill bytes."""
@@ -687,6 +703,7 @@ def main(argv=None) -> int:
         "rows": rows,
         "marlin": skip if args.no_peers or "H200" not in devices else marlin_section(m_list),
         "flashinfer": skip if args.no_peers or "H200" not in devices else flashinfer_section(m_list),
+        "flashinfer_w4a8": skip if args.no_peers or "H200" not in devices else flashinfer_w4a8_section(m_list),
         "errors": statics.errors,
     }
     result["floor"] = floor_rows(result)

@@ -51,7 +51,7 @@ not as MMAs.
 The W4A8 peer (``use_wfp4afp8_humming``: FP8 activations, E8M0 scale applied before the MMA,
 mainloop ``...MixedInputPreScale``, ``QGMMA.64x16x32.F32.E4M3.E4M3``) is built from the same
 generator with ``act="e4m3"``; ``python -P bench/peers/flashinfer_sass.py --act e4m3`` prints its
-K-loop rows (:func:`flashinfer_w4a8_loop_rows`; no call model yet, docs/w4a8.md).
+rows (:func:`flashinfer_w4a8_rows`; its call model: peers/flashinfer_model.flashinfer_w4a8_call).
 
 Facts recorded in each row:
 * ``launches_per_call`` 11 with ``launch_sources`` (``LAUNCH_SOURCES``): the runner's ``runMoe``
@@ -615,6 +615,36 @@ def _toolchain(build_dir: str | os.PathLike) -> tuple[tuple[str, str], Sources, 
     return nvcc, src, load_generator(src.package_dir), out if out.is_absolute() else REPO_ROOT / out
 
 
+def _dynamic_shared(kernels: dict[Any, tuple[str, str, int]], src: Sources, nvcc: tuple[str, str],
+                    out: pathlib.Path) -> tuple[dict[Any, int], dict[Any, str], dict[str, Build | str]]:
+    """The dynamic shared memory each kernel launches with (GemmKernel::SharedStorageSize), read by
+    a probe unit naming the kernel's type. kernels: {key: (mangled function, unit name, CTA warps)};
+    the probe also checks MaxThreadsPerBlock == 32 x warps. Returns ({key: bytes}, {key: why not},
+    the probes' builds by name); a kernel without a demangler or whose probe fails gets a note."""
+    from k3nvfp4.kernels.offline import sass
+
+    probes, notes = {}, {}
+    for key, (fn, name, _) in kernels.items():
+        dem = demangle(fn)
+        if dem is None:
+            notes[key] = "no demangler (llvm-cxxfilt / c++filt) could demangle the kernel name"
+        else:
+            probes[f"{name}_smem_probe"] = (key, probe_unit(kernel_type_of(dem)))
+    probe_builds = build_all(src, nvcc, {n: t for n, (_, t) in probes.items()}, out, raise_on_error=False)
+    dynamic = {}
+    for name, (key, _) in probes.items():
+        pb = probe_builds[name]
+        vals = _probe_values(sass.disassemble(pb.cubin)) if isinstance(pb, Build) else None
+        warps = kernels[key][2]
+        if vals is None:
+            notes[key] = f"SharedStorageSize probe failed: {pb if isinstance(pb, str) else 'no probe kernel'}"[:600]
+        elif vals[1] != 32 * warps:
+            raise RuntimeError(f"{kernels[key][1]}: MaxThreadsPerBlock {vals[1]} != {32 * warps}")
+        else:
+            dynamic[key] = vals[0]
+    return dynamic, notes, probe_builds
+
+
 def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/flashinfer") -> list[dict[str, Any]]:
     """One row per tile of TILES, measured on the SASS of FlashInfer's own launcher instantiation.
 
@@ -641,25 +671,8 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
         if tile not in found:
             raise RuntimeError(f"no mixed-input device_kernel for tile {tile} in {b.path}")
 
-    # Dynamic shared memory: GemmKernel::SharedStorageSize via a probe naming the kernel type.
-    probes, notes = {}, {}
-    for tile, f in found.items():
-        dem = demangle(f["function"])
-        if dem is None:
-            notes[tile] = "no demangler (llvm-cxxfilt / c++filt) could demangle the kernel name"
-        else:
-            probes[f"{names[tile]}_smem_probe"] = (tile, probe_unit(kernel_type_of(dem)))
-    probe_builds = build_all(src, nvcc, {n: t for n, (_, t) in probes.items()}, out, raise_on_error=False)
-    dynamic: dict[tuple[int, int, int], int] = {}
-    for name, (tile, _) in probes.items():
-        pb = probe_builds[name]
-        vals = _probe_values(sass.disassemble(pb.cubin)) if isinstance(pb, Build) else None
-        if vals is None:
-            notes[tile] = f"SharedStorageSize probe failed: {pb if isinstance(pb, str) else 'no probe kernel'}"[:600]
-        elif vals[1] != 32 * CTA_WARPS:
-            raise RuntimeError(f"tile {tile}: MaxThreadsPerBlock {vals[1]} != {32 * CTA_WARPS}")
-        else:
-            dynamic[tile] = vals[0]
+    dynamic, notes, probe_builds = _dynamic_shared(
+        {tile: (f["function"], names[tile], CTA_WARPS) for tile, f in found.items()}, src, nvcc, out)
 
     rows = []
     for tile in TILES:
@@ -717,12 +730,21 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
     return rows
 
 
-# The W4A8 peer's kernels measured: the W4A16 peer's two pingpong decode tiles, and Humming's own
-# single-warpgroup decode kernels (128 weight rows x 16 tokens x 128 K; the binding admits them for
-# Humming only: PREFILL where K <= 384, ROLLING above).
+# The W4A8 peer's kernels measured: the W4A16 peer's two pingpong decode tiles, pingpong tiles of 64
+# and 128 tokens (the largest token tiles FlashInfer instantiates with 64 weight rows, what its
+# autotuner can take at prefill), and Humming's own single-warpgroup kernels (128 weight rows x 16
+# tokens x 128 K; the binding admits them for Humming only: PREFILL where K <= 384, ROLLING above).
+# Not built: the 128- and 256-row cooperative tiles (two consumer warpgroups on one tile; measure()
+# reads one warpgroup MMA per tile).
 W4A8_VARIANTS: tuple[tuple[str, tuple[int, int, int]], ...] = (
     ("warp_specialized", (64, 16, 128)), ("warp_specialized", (64, 16, 256)),
+    ("warp_specialized", (64, 64, 128)), ("warp_specialized", (64, 128, 128)),
     ("single_warpgroup_rolling", (128, 16, 128)), ("single_warpgroup_prefill", (128, 16, 128)))
+# Warps per CTA of Humming's single-warpgroup kernels (no producer warpgroup).
+SINGLE_WARPGROUP_WARPS = 4
+# Where the binding admits each single-warpgroup kernel: the GEMM's K (PREFILL: K <= 384, ROLLING: above).
+SINGLE_WARPGROUP_MAX_K = {"single_warpgroup_prefill": 384}
+SINGLE_WARPGROUP_MIN_K = {"single_warpgroup_rolling": 385}
 
 
 def measure_single_warpgroup(instrs: list[Instr], tile: tuple[int, int, int],
@@ -749,39 +771,46 @@ def measure_single_warpgroup(instrs: list[Instr], tile: tuple[int, int, int],
             "table_lds_u8": st.opcode_mix.get("LDS.U8", 0), "scale_ffma": _count(st.opcode_mix, "FFMA")}
 
 
-def flashinfer_w4a8_loop_rows(build_dir: str | os.PathLike = "build/peers/flashinfer") -> list[dict[str, Any]]:
-    """The W4A8 peer's K loop (FlashInfer's SM90 MXFP4 x FP8 grouped GEMM, ``use_wfp4afp8_humming``:
-    FP8 activations, pre-MMA E8M0 scale), built and measured like flashinfer_rows at the kernels
-    of W4A8_VARIANTS: one row per kernel with the loop counts only. Not yet a call model (its
-    launches, the activation's FP8 quantization, which tactic its profiler picks): not a row of
-    the static report. Raises RuntimeError naming what is missing or failed, as flashinfer_rows."""
+def flashinfer_w4a8_rows(build_dir: str | os.PathLike = "build/peers/flashinfer") -> list[dict[str, Any]]:
+    """The W4A8 peer (FlashInfer's SM90 MXFP4 x FP8 grouped GEMM, ``use_wfp4afp8_humming``: FP8
+    activations, pre-MMA E8M0 scale), built and measured like flashinfer_rows at the kernels of
+    W4A8_VARIANTS: one row per kernel (K loop, registers, shared memory, CTA warps, the call's
+    launches), what peers/flashinfer_model.flashinfer_w4a8_call predicts from. Raises
+    RuntimeError naming what is missing or failed, as flashinfer_rows."""
     from k3nvfp4.kernels.offline import sass
 
     nvcc, src, gen, out = _toolchain(build_dir)
     names = {v: f"flashinfer_w4a8_{_label(v[1])}" + ("" if v[0] == "warp_specialized" else f"_{v[0]}")
              for v in W4A8_VARIANTS}
     builds = build_all(src, nvcc, {names[v]: translation_unit(gen, v[1], "e4m3", v[0]) for v in W4A8_VARIANTS}, out)
-    rows = []
+    found = {}
     for kernel_type, tile in W4A8_VARIANTS:
         b = builds[names[(kernel_type, tile)]]
         assert isinstance(b, Build)
         usage = sass.resource_usage(b.cubin)
-        found = [(fn, instrs, info) for fn, instrs in sass.disassemble(b.cubin).items()
-                 for info in [parse_kernel_name(fn)] if info and info["tile"] == tile]
-        if len(found) != 1:
-            raise RuntimeError(f"{len(found)} mixed-input device_kernels for tile {tile} in {b.path}")
-        fn, instrs, info = found[0]
+        hits = [(fn, instrs, info) for fn, instrs in sass.disassemble(b.cubin).items()
+                for info in [parse_kernel_name(fn)] if info and info["tile"] == tile]
+        if len(hits) != 1:
+            raise RuntimeError(f"{len(hits)} mixed-input device_kernels for tile {tile} in {b.path}")
+        fn, instrs, info = hits[0]
         if info["scale_mode"] != "pre_mma" or not info["mma_atom"].endswith("E4M3E4M3_RS"):
             raise RuntimeError(f"tile {tile}: {info['mma_atom']} ({info['scale_mode']}) is not the FP8 pre-MMA kernel")
         single = kernel_type != "warp_specialized"
         if (info["structure"] == "single_warpgroup") != single:
             raise RuntimeError(f"tile {tile}: a {info['structure']} kernel where {kernel_type} was built")
+        found[(kernel_type, tile)] = (fn, instrs, info, usage[fn], b,
+                                      SINGLE_WARPGROUP_WARPS if single else CTA_WARPS)
+    dynamic, notes, _ = _dynamic_shared({v: (f[0], names[v], f[5]) for v, f in found.items()}, src, nvcc, out)
+    rows = []
+    for (kernel_type, tile), (fn, instrs, info, use, b, warps) in found.items():
+        single = kernel_type != "warp_specialized"
         if single:
             m = measure_single_warpgroup(instrs, tile, info["atom_mnk"])
             st, pst = m["stats"], None
         else:
             m = measure(instrs, tile, info["atom_mnk"], act="e4m3")
             st, pst = m["stats"], m["producer_stats"]
+        dyn = dynamic.get((kernel_type, tile))
         rows.append({
             "kernel": "flashinfer_cutlass_w4a8_moe (MXFP4 x FP8, pre-MMA E8M0)",
             "kernel_type": kernel_type,
@@ -793,8 +822,13 @@ def flashinfer_w4a8_loop_rows(build_dir: str | os.PathLike = "build/peers/flashi
             "weights_per_iteration": m["weights"],
             "warp_instr_per_weight": round(m["per_weight"], 4),
             "consumer_warp_instr_per_weight": None if single else round(m["consumer_per_weight"], 4),
-            "registers": usage[fn].registers,
-            "local_bytes": usage[fn].local_bytes,
+            "num_warps": warps,
+            "registers": use.registers,
+            "local_bytes": use.local_bytes,
+            "shared_bytes": None if dyn is None else use.shared_bytes + dyn,
+            **({"shared_bytes_note": notes[(kernel_type, tile)]} if (kernel_type, tile) in notes else {}),
+            "max_k": SINGLE_WARPGROUP_MAX_K.get(kernel_type),
+            "min_k": SINGLE_WARPGROUP_MIN_K.get(kernel_type),
             "mma_per_iteration": m["real_hgmma"],
             "convert_prmt_per_iteration": m["convert_prmt"],
             "table_lds_u8_per_iteration": m["table_lds_u8"],
@@ -802,6 +836,10 @@ def flashinfer_w4a8_loop_rows(build_dir: str | os.PathLike = "build/peers/flashi
             "opcode_mix": dict(list(st.opcode_mix.items())[:15]),
             "iteration_mapping": m["mapping"],
             "bytes_per_weight": BYTES_PER_WEIGHT,
+            # runMoe takes the W4A16 path's branches; the FP8 quantization (one fp32 scale per row)
+            # is fused into the permute (expandInputRowsKernel) and the activation (doActivation).
+            "launches_per_call": len(LAUNCH_SOURCES),
+            "requires": REQUIRES,
             "flashinfer_version": src.version,
             "nvcc_version": nvcc[1],
             "nvcc_command": " ".join(b.command),
@@ -817,5 +855,5 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description="FlashInfer's SM90 MXFP4 MoE GEMMs, measured on their SASS (JSON rows)")
     ap.add_argument("--act", choices=ACTS, default="bf16",
-                    help="bf16: the W4A16 peer's rows (default); e4m3: the W4A8 peer's K-loop rows")
-    sys.exit(nvcc_cache.print_rows(flashinfer_w4a8_loop_rows if ap.parse_args().act == "e4m3" else flashinfer_rows))
+                    help="bf16: the W4A16 peer's rows (default); e4m3: the W4A8 peer's rows")
+    sys.exit(nvcc_cache.print_rows(flashinfer_w4a8_rows if ap.parse_args().act == "e4m3" else flashinfer_rows))
