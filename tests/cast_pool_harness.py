@@ -25,11 +25,18 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from k3nvfp4.checkpoint import convert, safetensors_io
+
+# Python's own Ctrl-C handler, whatever this process inherited: a shell runs a background job
+# (`make test &` in a script) with SIGINT ignored and its children inherit that, so the Ctrl-C
+# test's SIGINT would reach a cast that ignores it (seen: the test's 300 s guard, rc -9). Under a
+# terminal or CI this is already the handler. (The same as cast_ranks_harness.py.)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _CTL_ENV = "K3NVFP4_CAST_HARNESS_CTL"
 CTL = Path(os.environ[_CTL_ENV]) if _CTL_ENV in os.environ else Path(sys.argv[1])

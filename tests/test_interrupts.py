@@ -48,13 +48,20 @@ def test_interrupt_the_tool_does_not_handle(tmp_path, monkeypatch, capsys):
     assert entry.run_module(mod, "k3nvfp4-z") == 3
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT at its default, so that Python installs its Ctrl-C handler.
+    A shell runs a background job (`make test &` in a script) with SIGINT ignored, the child would
+    inherit that and ignore the test's SIGINT (seen: exit 0); a terminal or CI already gives the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_during_the_torch_import_of_a_real_process():
     """A real SIGINT while the tuner's module imports torch (seen through -X importtime's lines):
     the message, exit 130, no traceback."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen([sys.executable, "-P", "-X", "importtime", "-m", "k3nvfp4.common.entry",
                           "k3nvfp4.kernels.tune", "--help"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                         env=env, text=True)
+                         env=env, text=True, preexec_fn=_sigint_default)
     seen = []
     deadline = time.monotonic() + 120
     for line in p.stderr:  # importtime writes a line as each module finishes importing
