@@ -10,7 +10,7 @@ GEMM2 for the architecture (Triton -> cubin, bundled ptxas), read registers, spi
 memory, count the hot K loop (Triton's cuobjdump), and predict the call: launchable, CTAs per SM,
 grid and waves (EP-aware), bytes and warp-instructions per useful weight, bytes in flight, launches,
 time per call. Marlin (built by nvcc from SGLang's shipped sources, its grid from SGLang's host
-heuristic replayed) and FlashInfer (one decode tile built from its JIT sources) go through the same
+heuristic replayed) and FlashInfer (W4A16 and W4A8, tiles built from its JIT sources) go through the same
 model on the H200; the marlin model is checked against published H200 timings.
 
   python -P bench/sass_report.py                             # everything (~5 min, + peer builds once)

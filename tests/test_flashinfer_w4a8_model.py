@@ -16,7 +16,7 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
 import w4a8_rows  # noqa: E402
-from peers.flashinfer_model import admits, flashinfer_w4a8_call  # noqa: E402
+from peers.flashinfer_model import admits, flashinfer_call, flashinfer_w4a8_call  # noqa: E402
 
 from k3nvfp4.kernels import perf_model as pm  # noqa: E402
 
@@ -68,10 +68,20 @@ def test_each_gemm_takes_its_fastest_kernel_at_the_fp8_rate_with_e4m3_activation
     assert call.launches == 11
 
 
+def test_the_w4a16_call_takes_the_same_tactic_rule_at_the_bf16_rate_with_bf16_activations():
+    M = 4096
+    g1, g2 = flashinfer_call(pm.H200, ROWS[:2], ALL_ROUTED, M).kernels
+    assert g1.config == g2.config == "64x64x128 pingpong"
+    flops = 2.0 * 16 * 256 * 8 * 64 * 128 * 64  # as in the W4A8 test above
+    assert g1.t_mma == pytest.approx(flops / (0.7 * pm.H200.mma_bf16_flops))
+    assert g1.other_bytes == M * 1024 * 2 + M * 4 * 1024 * 2
+    assert flashinfer_call(pm.H200, ROWS[:2], ALL_ROUTED, 1).kernels[0].config == "64x16x128 pingpong"
+
+
 def test_shards_flashinfer_cannot_run_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match=r"I % 128 == 0.*I = 192"):
         flashinfer_w4a8_call(pm.H200, ROWS, pm.K3_SHARDS["tp16"], 4096)
-    with pytest.raises(RuntimeError, match="no measured W4A8 kernel is admitted for gemm1"):
+    with pytest.raises(RuntimeError, match="no measured kernel is admitted for gemm1"):
         flashinfer_w4a8_call(pm.H200, [ROWS[3]], pm.K3_SHARDS["ep16"], 4096)
 
 

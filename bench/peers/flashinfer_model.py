@@ -4,14 +4,16 @@ model: the W4A16 path (x bf16, :func:`flashinfer_call`) and the W4A8 one (x FP8,
 
 One ``cutlass_fused_moe(..., use_w4_group_scaling=True)`` call is 11 launches (flashinfer_sass:
 3 sort kernels, permute, strides, a work-tile map and the grouped GEMM per GEMM, the activation,
-finalize). Each grouped GEMM runs FlashInfer's untuned default tactic, the 64x16x128 pingpong
-tile (flashinfer_sass.TILES[0]) with the weights on the 64-row side and tokens on the 16 side:
-an expert with X local pairs is ceil(rows / 64) x ceil(X / 16) tiles of K / 128 loop passes,
-on a persistent grid (one 205 KiB CTA per SM). Bytes: nibbles + one E8M0 per 32 (0.53125 per
-weight). The nine small kernels are charged a launch, an HBM latency and their bytes.
+finalize). Each grouped GEMM runs, in the model, the fastest of the measured tiles
+(flashinfer_sass.TILES: 64 weight rows x 16, 64 or 128 tokens; the untuned default is the first,
+64x16x128): what an autotuner that profiles every candidate finds at best, in the peer's favour.
+An expert with X local pairs is ceil(rows / 64) x ceil(X / tokens) tiles of K / tile K loop
+passes, on a persistent grid (one ~205 KiB CTA per SM). Bytes: nibbles + one E8M0 per 32 (0.53125
+per weight). The nine small kernels are charged a launch, an HBM latency and their bytes.
 
 Not modelled: the pingpong overlap of two consumer warpgroups (counted as one program per tile),
-the autotuner's choice of another tile, the first and last K tile outside the SASS loop.
+the 128- and 256-row cooperative tiles (not measured), the first and last K tile outside the
+SASS loop.
 
 The W4A8 path runs the same 11 launches (runMoe takes the same branches): the permute also
 quantizes each expanded row to E4M3 with one fp32 scale per row, the activation writes the
@@ -76,20 +78,34 @@ def _require_multiples_of_128(shard: pm.Shard) -> None:
 
 def flashinfer_call(device: pm.Device, statics: list[dict[str, Any]], shard: pm.Shard, M: int,
                     a: pm.Assumptions = pm.DEFAULT_ASSUMPTIONS) -> pm.CallPrediction:
-    """One cutlass_fused_moe call under the model (statics: flashinfer_sass.flashinfer_rows()).
-    Raises RuntimeError where FlashInfer cannot run the shard (H and I must be multiples of 128)."""
+    """One cutlass_fused_moe call under the model (statics: flashinfer_sass.flashinfer_rows()),
+    each GEMM at the fastest measured tile (:func:`_fastest`). Raises RuntimeError where FlashInfer
+    cannot run the shard (H and I must be multiples of 128)."""
     _require_multiples_of_128(shard)
-    default = statics[0]  # the untuned default tactic
-    routing = pm.expected_routing(shard, M, default["tile"]["N"])
-    kernels = [_gemm(device, default, shard, g, M, routing, a) for g in ("gemm1", "gemm2")]
-    launches = default["launches_per_call"] - 2
+    kernels, notes = zip(*(_fastest(device, statics, shard, g, M, a, "bf16") for g in ("gemm1", "gemm2")))
+    routing = pm.expected_routing(shard, M, statics[0]["tile"]["N"])
+    launches = statics[0]["launches_per_call"] - 2
     pairs = routing.local_pairs
     small_bytes = (2 * pairs * shard.hidden * 2  # permute: rows gathered in, expanded out
                    + pairs * 2 * shard.intermediate * 2 + pairs * shard.intermediate * 2  # activation
                    + pairs * shard.hidden * 2 + M * shard.hidden * 2)  # finalize
     fixed = launches * (a.launch_s + a.hbm_latency_s) + small_bytes / device.hbm_copy_bytes_per_s
-    return pm.CallPrediction("flashinfer", device.name, shard.name, M, kernels, routing, fixed, launches,
-                             notes=[f"tile {default['tile']}"])
+    return pm.CallPrediction("flashinfer", device.name, shard.name, M, list(kernels), routing, fixed, launches,
+                             notes=list(notes))
+
+
+def _fastest(device: pm.Device, statics: list[dict[str, Any]], shard: pm.Shard, gemm: str, M: int,
+             a: pm.Assumptions, act: str) -> tuple[pm.KernelPrediction, str]:
+    """GEMM1 or GEMM2 at the fastest launchable measured kernel the binding admits for it
+    (:func:`admits`; the token routing at each kernel's token tile), and a note naming it."""
+    options = [_gemm(device, st, shard, gemm, M, pm.expected_routing(shard, M, st["tile"]["N"]), a, act=act)
+               for st in statics if admits(st, gemm, shard)]
+    launchable = [k for k in options if k.launchable]
+    if not launchable:
+        raise RuntimeError(f"no measured kernel is admitted for {gemm} (K = "
+                           f"{shard.hidden if gemm == 'gemm1' else shard.intermediate})")
+    best = min(launchable, key=lambda k: k.time_s)
+    return best, f"{gemm}: {best.config} (fastest of {len(launchable)} admitted)"
 
 
 def admits(statics: dict[str, Any], gemm: str, shard: pm.Shard) -> bool:
@@ -111,20 +127,7 @@ def flashinfer_w4a8_call(device: pm.Device, statics: list[dict[str, Any]], shard
     RuntimeError where FlashInfer cannot run the shard (H and I must be multiples of 128) or no
     measured kernel is admitted."""
     _require_multiples_of_128(shard)
-    kernels, notes = [], []
-    for gemm in ("gemm1", "gemm2"):
-        options = []
-        for st in statics:
-            if admits(st, gemm, shard):
-                routing = pm.expected_routing(shard, M, st["tile"]["N"])
-                options.append((_gemm(device, st, shard, gemm, M, routing, a, act="e4m3"), st))
-        launchable = [o for o in options if o[0].launchable]
-        if not launchable:
-            raise RuntimeError(f"no measured W4A8 kernel is admitted for {gemm} (K = "
-                               f"{shard.hidden if gemm == 'gemm1' else shard.intermediate})")
-        best = min(launchable, key=lambda o: o[0].time_s)
-        kernels.append(best[0])
-        notes.append(f"{gemm}: {best[0].config} (fastest of {len(launchable)} admitted)")
+    kernels, notes = zip(*(_fastest(device, statics, shard, g, M, a, "e4m3") for g in ("gemm1", "gemm2")))
     routing = pm.expected_routing(shard, M, 16)
     launches = statics[0]["launches_per_call"] - 2
     pairs = routing.local_pairs
@@ -133,5 +136,5 @@ def flashinfer_w4a8_call(device: pm.Device, statics: list[dict[str, Any]], shard
                    + pairs * 2 * I * 2 + pairs * I * 1  # activation: bf16 in, E4M3 out
                    + pairs * H * 2 + M * H * 2)  # finalize
     fixed = launches * (a.launch_s + a.hbm_latency_s) + small_bytes / device.hbm_copy_bytes_per_s
-    return pm.CallPrediction("flashinfer w4a8", device.name, shard.name, M, kernels, routing, fixed, launches,
-                             notes=notes)
+    return pm.CallPrediction("flashinfer w4a8", device.name, shard.name, M, list(kernels), routing, fixed,
+                             launches, notes=list(notes))

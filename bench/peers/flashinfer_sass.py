@@ -102,10 +102,13 @@ if TYPE_CHECKING:
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL = "flashinfer_cutlass_w4a16_moe"
 
-# (M, N, K) CTA tiles built and measured: the two 64x16 decode tiles. Each translation unit
-# builds in 80-120 s with nvcc 13.0 (both in parallel on 2 cores, ~5 GB of memory each), plus a
-# ~25 s SharedStorageSize probe each; 64x16x512 is left out (not needed for the decode figures).
-TILES: tuple[tuple[int, int, int], ...] = ((64, 16, 128), (64, 16, 256))
+# (M, N, K) CTA tiles built and measured: the two 64x16 decode tiles (the first is the untuned
+# default tactic) and the 64-row pingpong tiles of 64 and 128 tokens, the largest token tiles
+# FlashInfer instantiates with 64 weight rows (what its autotuner can take at prefill). Each
+# translation unit builds in 80-120 s with nvcc 13.0 (two in parallel on 2 cores, ~5 GB of memory
+# each), plus a ~25 s SharedStorageSize probe each; 64x16x512 is left out. Not built: the 128- and
+# 256-row cooperative tiles (two consumer warpgroups on one tile; measure() reads one per tile).
+TILES: tuple[tuple[int, int, int], ...] = ((64, 16, 128), (64, 16, 256), (64, 64, 128), (64, 128, 128))
 SCHEDULE = "pingpong"  # FlashInfer instantiates only pingpong for tile M < 128
 CLUSTER = (1, 1, 1)
 
@@ -684,9 +687,9 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
         probe = probe_builds.get(f"{names[tile]}_smem_probe")
         rows.append({
             "kernel": KERNEL,
-            "regime": "decode (swap_ab: 64 weight rows x 16 tokens per expert tile; "
-                      + ("FlashInfer's untuned default tactic)" if tile == (64, 16, 128)
-                         else "an autotuner candidate)"),
+            "regime": f"{'decode' if tile[1] == 16 else 'prefill'} (swap_ab: {tile[0]} weight rows x {tile[1]} "
+                      "tokens per expert tile; " + ("FlashInfer's untuned default tactic)" if tile == TILES[0]
+                                                     else "an autotuner candidate)"),
             "tile": {"M": tile[0], "N": tile[1], "K": tile[2], "schedule": info["schedule"],
                      "cluster": "x".join(map(str, CLUSTER)), "stages": info["stages"], "mma_atom": info["mma_atom"]},
             "arch": f"sm_{arch}a",
