@@ -259,7 +259,10 @@ def _init_worker(queue) -> None:
 def _in_worker(fn, task: ShardTask):
     """Run ``fn(task)`` in a pool process, announcing start and end with this process's pid,
     so that the main process can tell a task whose process died (killed, out of memory) from
-    one still running: multiprocessing.Pool would wait for its result forever."""
+    one still running: multiprocessing.Pool would wait for its result forever. The queue is a
+    SimpleQueue, whose ``put`` has written to the pipe when it returns: a Queue hands the write
+    to a thread of this process, and a process killed before that thread ran took its "start"
+    with it (the main process then waited forever: tests/test_checkpoint_pool.py)."""
     _worker_queue.put(("start", os.getpid(), task.shard.name))
     try:
         return fn(task)
@@ -307,7 +310,7 @@ class _Executor:
     def _get_pool(self):
         if self._pool is None:
             ctx = mp.get_context("spawn")
-            self._queue = ctx.Queue()
+            self._queue = ctx.SimpleQueue()  # written synchronously (_in_worker)
             self._pool = ctx.Pool(self.workers - 1, initializer=_init_worker, initargs=(self._queue,))
         return self._pool
 
@@ -344,18 +347,27 @@ class _Executor:
                         in_flight[0] += 1
                     pool.apply_async(_in_worker, (fn, t), callback=finished, error_callback=finished)
 
+            def handle(n) -> None:
+                if isinstance(n, tuple):
+                    with lock:
+                        if n[0] == "start":
+                            running[n[1]] = n[2]
+                        else:
+                            running.pop(n[1], None)
+                elif n == _READY:
+                    idle.release()
+                else:
+                    bar.update(n)
+
             def drain() -> None:
-                while (n := self._queue.get()) is not None:
-                    if isinstance(n, tuple):
-                        with lock:
-                            if n[0] == "start":
-                                running[n[1]] = n[2]
-                            else:
-                                running.pop(n[1], None)
-                    elif n == _READY:
-                        idle.release()
+                # Ends on ``stop``, not on a message from the main process: a worker killed in
+                # the middle of a put leaves the queue's write lock held. What arrives after
+                # this run (a restarted worker's _READY) is read by the next run.
+                while not stop.is_set():
+                    if self._queue.empty():
+                        stop.wait(0.01)
                     else:
-                        bar.update(n)
+                        handle(self._queue.get())
 
             threads = [threading.Thread(target=dispatch, daemon=True), threading.Thread(target=drain, daemon=True)]
             for th in threads:
@@ -406,9 +418,11 @@ class _Executor:
             stop.set()
             _progress.set_sink(saved)
             if pool is not None:
-                self._queue.put(None)
                 for th in threads:
                     th.join(timeout=5)
+                if completed:  # every task has returned, so its puts are all in the pipe: this
+                    while not self._queue.empty():  # run's progress must not reach the next bar
+                        handle(self._queue.get())
             if completed and bar.n < total:
                 bar.update(total - bar.n)  # all done: a bar in a log ends at 100% (totals are estimates)
             bar.close()

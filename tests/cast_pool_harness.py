@@ -14,7 +14,11 @@ marker file in CONTROL_DIR (the tests wait on files, never on a clock):
 - ``main_waits_for_pool``: the main process casts its first shard only once a pool process
   has started one, so the pool's first shard is the second in order;
 - ``truncate``: {shard: bytes}; the source shard is cut to that size just before it is cast
-  (a file that shrank after the plan read its header).
+  (a file that shrank after the plan read its header);
+- ``die_at_start``: shard names; the pool process given one kills itself (SIGKILL) as soon as
+  it has it, before it writes a byte or lets another of its threads run. It leaves the shard's
+  name in ``died`` (a shared memory map, written without a system call, which would let the
+  process's other threads run), and ``main_waits_for_pool`` also ends there.
 
 Spawned workers re-run this file's top level (as ``__mp_main__``), so the same steering
 applies inside them; the cast itself is the real code.
@@ -23,6 +27,7 @@ applies inside them; the cast itself is the real code.
 from __future__ import annotations
 
 import json
+import mmap
 import multiprocessing as mp
 import os
 import signal
@@ -43,12 +48,19 @@ CTL = Path(os.environ[_CTL_ENV]) if _CTL_ENV in os.environ else Path(sys.argv[1]
 os.environ[_CTL_ENV] = str(CTL)  # the spawned workers' argv is not ours
 PLAN = json.loads((CTL / "plan.json").read_text())
 
-_real_cast_shard = convert.cast_shard
-_real_expect = safetensors_io.StreamingWriter._expect
-
 
 def _role() -> str:
     return "main" if mp.parent_process() is None else "pool"
+
+
+# The ``died`` map: created by the main process, mapped by every process as it starts.
+if _role() == "main":
+    (CTL / "died").write_bytes(bytes(256))
+with open(CTL / "died", "r+b") as _f:
+    DIED = mmap.mmap(_f.fileno(), 256)
+
+_real_cast_shard = convert.cast_shard
+_real_expect = safetensors_io.StreamingWriter._expect
 
 
 def _announce(name: str) -> None:
@@ -72,8 +84,11 @@ def _expect(self, name: str, nbytes: int) -> None:
 def harness_cast_shard(task):
     shard = task.shard.name
     if _role() == "main" and PLAN.get("main_waits_for_pool"):
-        while not any(m.read_text().startswith("pool") for m in CTL.glob("started-*")):
+        while not DIED[0] and not any(m.read_text().startswith("pool") for m in CTL.glob("started-*")):
             time.sleep(0.01)
+    if _role() == "pool" and shard in PLAN.get("die_at_start", ()):
+        DIED[: len(shard)] = shard.encode()
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would, at the worst moment
     _announce(f"started-{shard}")
     cut = PLAN.get("truncate", {}).get(shard)
     if cut is not None:

@@ -189,6 +189,26 @@ def test_worker_killed_mid_shard_is_an_error_then_resumes(src, tmp_path, referen
     assert _tree_hash(src) == before
 
 
+def test_worker_killed_as_it_takes_a_shard_is_an_error(src, tmp_path, reference, capsys):
+    """The spawned worker dies the moment it has its shard, before its process ran anything but
+    the task's own thread: the task's start must already be known to the main process (a queue
+    whose writes a background thread makes later loses it, and the cast waited forever)."""
+    shards = _shards(src)
+    before = _tree_hash(src)
+    out = tmp_path / "out"
+    run = HarnessRun(tmp_path, src, out, {"main_waits_for_pool": True, "die_at_start": [shards[1]]})
+    rc, err = run.finish()
+    assert (run.ctl / "died").read_bytes().rstrip(b"\0") == shards[1].encode()  # it did die there
+    assert rc == 1, err
+    assert f"{out / shards[1]}: the worker process (pid " in err and "ended without a result" in err, err
+    assert "Traceback" not in err, err
+    _assert_unfinished_and_clean(out, reference)
+    rc, err = _resume_in_process(src, out, capsys)
+    assert rc == 0, err
+    assert _tree_hash(out, skip=("cast_report.json",)) == reference
+    assert _tree_hash(src) == before
+
+
 def _interrupted_mid_cast(tmp_path: Path, src: Path, out: Path, sig: int) -> tuple[int, str]:
     """Start a cast whose shards after the first are held half-written, wait until the main
     process and the spawned worker each hold one (the first shard is finished by then), and
