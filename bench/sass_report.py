@@ -538,9 +538,12 @@ def markdown(result: dict) -> str:
         import w4a8_rows
 
         lines += ["", *w4a8_rows.markdown(result)]
-    for sec in ("marlin", "flashinfer"):
-        if not result[sec]["available"]:
-            lines.append(f"\n- {sec}: not available: {result[sec]['reason'][:300]}")
+    for sec in ("marlin", "flashinfer", "flashinfer_w4a8"):
+        if not result.get(sec, {"available": True})["available"]:
+            # the reason's head and its last line (a compiler's verdict comes after its warnings)
+            reason = result[sec]["reason"].strip()
+            last = reason.splitlines()[-1] if "\n" in reason else ""
+            lines.append(f"\n- {sec}: not available: {reason.splitlines()[0][:300]}" + (f" ... {last[:200]}" if last else ""))
     for e in result["errors"]:
         lines.append(f"\n- {e}")
     return "\n".join(lines) + "\n"

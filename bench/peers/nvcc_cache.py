@@ -58,55 +58,99 @@ class Build:
     recorded_seconds: float | None = None  # compile wall time recorded when the cubin was built
 
 
+# A CUTLASS MoE translation unit takes nvcc (cicc + ptxas) several GB; on a 2-core, 24 GiB machine
+# three at once were killed by the OOM killer (exit 137). Builds run at most this many at a time.
+NVCC_JOBS_ENV = "K3NVFP4_NVCC_JOBS"
+GIB_PER_BUILD = 8
+
+
+def nvcc_jobs() -> int:
+    """Builds at a time: $K3NVFP4_NVCC_JOBS, else min(CPUs, available memory / 8 GiB), at least 1."""
+    raw = os.environ.get(NVCC_JOBS_ENV, "").strip()
+    if raw:
+        try:
+            jobs = int(raw)
+        except ValueError:
+            jobs = 0
+        if jobs < 1:
+            raise RuntimeError(f"${NVCC_JOBS_ENV}={raw!r}: expected a whole number of builds >= 1")
+        return jobs
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = GIB_PER_BUILD << 30
+    return max(1, min(os.cpu_count() or 1, avail // (GIB_PER_BUILD << 30)))
+
+
 def build_all(tus: dict[str, str], out: pathlib.Path, key: dict[str, Any],
               command: Callable[[pathlib.Path, pathlib.Path], list[str]],
               raise_on_error: bool = True, timeout_s: int = 1800) -> dict[str, Build | str]:
-    """Compile each translation unit {name: source text} to a cubin, one nvcc each in parallel,
-    reusing cached cubins. key: what the cubins depend on besides their text; command(cu, cubin):
-    the nvcc command line. A failed build raises RuntimeError, or with raise_on_error=False maps
-    to its error text."""
-    started = {}
+    """Compile each translation unit {name: source text} to a cubin, :func:`nvcc_jobs` nvcc
+    processes at a time, reusing cached cubins. key: what the cubins depend on besides their text;
+    command(cu, cubin): the nvcc command line. A failed build raises RuntimeError, or with
+    raise_on_error=False maps to its error text. Each build's output goes to out/<name>.log."""
+    todo, cached, cmds = [], set(), {}
     for name, text in tus.items():
         cu, cubin, keyf = out / f"{name}.cu", out / f"{name}.cubin", out / f"{name}.key.json"
-        cmd = command(cu, cubin)
+        cmds[name] = command(cu, cubin)
         full_key = {**key, "source_sha256": hashlib.sha256(text.encode()).hexdigest()}
-        proc = None
         try:
             fresh = cubin.is_file() and json.loads(keyf.read_text()).get("key") == full_key
         except (OSError, ValueError):
             fresh = False
-        if not fresh:
-            out.mkdir(parents=True, exist_ok=True)
-            cu.write_text(text)
-            keyf.unlink(missing_ok=True)
-            cubin.unlink(missing_ok=True)
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        started[name] = (full_key, cmd, proc, time.monotonic())
-    builds: dict[str, Build | str] = {}
-    for name, (full_key, cmd, proc, t0) in started.items():
-        cubin, keyf = out / f"{name}.cubin", out / f"{name}.key.json"
-        seconds = 0.0
-        if proc is not None:
+        if fresh:
+            cached.add(name)
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        cu.write_text(text)
+        keyf.unlink(missing_ok=True)
+        cubin.unlink(missing_ok=True)
+        todo.append((name, full_key, cmds[name]))
+    errors: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    running: list = []
+    jobs = nvcc_jobs() if todo else 1
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                name, full_key, cmd = todo.pop(0)
+                log = open(out / f"{name}.log", "w")
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+                log.close()
+                running.append((name, full_key, cmd, proc, time.monotonic()))
+            name, full_key, cmd, proc, t0 = running.pop(0)
             try:
-                log, _ = proc.communicate(timeout=timeout_s)
+                proc.wait(timeout=max(timeout_s - (time.monotonic() - t0), 1))
+                text = (out / f"{name}.log").read_text(errors="replace")
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.communicate()
-                log = f"timed out after {timeout_s} s"
-            seconds = time.monotonic() - t0
-            if proc.returncode != 0 or not cubin.is_file():
-                err = f"nvcc failed ({proc.returncode}) on {out / name}.cu: {log[-3000:]}"
+                proc.wait()
+                text = f"timed out after {timeout_s} s"
+            seconds[name] = time.monotonic() - t0
+            if proc.returncode != 0 or not (out / f"{name}.cubin").is_file():
+                hint = (" (killed: out of memory? fewer builds at a time: "
+                        f"{NVCC_JOBS_ENV}=1)") if proc.returncode in (-9, 137) else ""
+                errors[name] = f"nvcc failed ({proc.returncode}){hint} on {out / name}.cu: {text[-3000:]}"
                 if raise_on_error:
-                    raise RuntimeError(err)
-                builds[name] = err
+                    raise RuntimeError(errors[name])
                 continue
-            keyf.write_text(json.dumps({"key": full_key, "command": cmd, "compile_seconds": round(seconds, 1)},
-                                       indent=1))
+            (out / f"{name}.key.json").write_text(json.dumps(
+                {"key": full_key, "command": cmd, "compile_seconds": round(seconds[name], 1)}, indent=1))
+    finally:
+        for _, _, _, proc, _ in running:  # an error left others building: stop them
+            proc.kill()
+            proc.wait()
+    builds: dict[str, Build | str] = {}
+    for name in tus:
+        if name in errors:
+            builds[name] = errors[name]
+            continue
+        cubin, keyf = out / f"{name}.cubin", out / f"{name}.key.json"
         try:
             recorded = json.loads(keyf.read_text()).get("compile_seconds")
         except (OSError, ValueError):
             recorded = None
-        builds[name] = Build(cubin.read_bytes(), seconds, proc is None, cubin, cmd, recorded)
+        builds[name] = Build(cubin.read_bytes(), seconds.get(name, 0.0), name in cached, cubin, cmds[name], recorded)
     return builds
 
 
