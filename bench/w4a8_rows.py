@@ -155,6 +155,45 @@ def per_mac(row: dict, shard, M: int) -> dict:
             "bytes_per_useful_mac": sum(k.get("weight_bytes", 0.0) for k in kernels) / macs}
 
 
+def floor_us(shard, M: int, weight_block: int, device=None, assumptions=None) -> dict:
+    """The least time any e4m3 call on this skeleton can take at (shard, M) under the model's device
+    figures: no tile, padding, instruction or launch cost, only what the call must move and multiply.
+
+    - GEMM1: max(bytes, MMA): the active experts' gate/up weights (W4A8MoEWeights' bytes per
+      weight: nibbles, one int8 offset per block, one fp32 row factor), the tokens in and the
+      intermediate out in E4M3 with one fp32 scale per 128 (one row per local pair); the useful
+      MACs (local pairs x 2 I H) at the FP8 peak x mma_efficiency;
+    - GEMM2: max(bytes, MMA): the down weights, the intermediate in, and the top-k sum in fp32 as
+      every mode here does it (the cheaper of the skeleton's two: the fp32 buffer zeroed, one fp32
+      atomic per (pair, column), read once, the bf16 output written); MACs local pairs x H I;
+    - the tokens' quantization (bf16 read, E4M3 + scales written).
+
+    The GEMMs are separate launches, so their floors add. Bytes at device.hbm_copy_bytes_per_s.
+    Returns {"us", "gemm1_us", "gemm2_us", "quant_us", "topk_sum_us"}: a target with
+    floor > bound x W4A16 cannot be met by a better kernel on this skeleton, only by moving fewer
+    bytes (targets)."""
+    from k3nvfp4.kernels import perf_model as pm
+
+    device = device or pm.H200
+    a = assumptions or pm.DEFAULT_ASSUMPTIONS
+    H, I, k = shard.hidden, shard.intermediate, shard.top_k
+    pairs = M * k * shard.local_experts / shard.global_experts
+    p = min(1.0, k / shard.global_experts)
+    active = shard.local_experts * (1.0 - (1.0 - p) ** M)  # experts with at least one token (expected)
+    act = 1 + 4 / 128  # E4M3 + one fp32 scale per 128 columns
+
+    def bpw(K: int) -> float:
+        return 0.5 + 1 / weight_block + 4 / K
+
+    bw, fp8 = device.hbm_copy_bytes_per_s, a.mma_efficiency * device.mma_fp8_flops
+    topk_sum = M * H * 4 + pairs * H * 4 + M * H * 4 + M * H * 2
+    g1 = max((active * 2 * I * H * bpw(H) + min(M, pairs) * H * act + pairs * I * act) / bw, 2 * pairs * 2 * I * H / fp8)
+    g2 = max((active * H * I * bpw(I) + pairs * I * act + topk_sum) / bw, 2 * pairs * H * I / fp8)
+    quant = M * H * (2 + act) / bw
+    return {"us": (g1 + g2 + quant) * 1e6, "gemm1_us": g1 * 1e6, "gemm2_us": g2 * 1e6, "quant_us": quant * 1e6,
+            "topk_sum_us": topk_sum / bw * 1e6}
+
+
 def compare(result: dict) -> None:
     """Put beside each e4m3 row the W4A16 row of the same checkpoint, shard and M and each peer of
     its checkpoint (:func:`peers_of`) from this run: times, per-MAC figures, ratios (e4m3 / other,
@@ -182,7 +221,9 @@ def targets(result: dict) -> list[dict]:
     """Issue 38's static done-when figures from this run's rows (TARGET_SHARDS, both checkpoints):
     at M >= PREFILL_M e4m3 / W4A16 <= PREFILL_RATIO and e4m3 / peer < 1 for every peer with a time
     there (:func:`peers_of`); at M <= DECODE_M e4m3 / W4A16 <= DECODE_RATIO. "worst_peer" is the
-    peer with the largest e4m3 / peer ratio (None where no peer runs the shard)."""
+    peer with the largest e4m3 / peer ratio (None where no peer runs the shard).
+    "floor_over_w4a16": :func:`floor_us` / the W4A16 time, and "reachable": whether that floor is
+    within the bound at all (None without a W4A16 time)."""
     out = []
     for r in result["e4m3"]["rows"]:
         if r["shard"] not in TARGET_SHARDS or "error" in r or r.get("w4a16_ratio") is None:
@@ -197,9 +238,15 @@ def targets(result: dict) -> list[dict]:
         worst = max(ratios, key=ratios.get) if ratios else None
         t = {"checkpoint": r["checkpoint"], "shard": r["shard"], "M": r["M"], "which": what,
              "e4m3_over_w4a16": r["w4a16_ratio"], "bound": bound, "met": r["w4a16_ratio"] <= bound,
-             "e4m3_over_peers": ratios, "worst_peer": worst}
+             "e4m3_over_peers": ratios, "worst_peer": worst, "floor_over_w4a16": None, "reachable": None}
         if what == "prefill":
             t["met"] = t["met"] and all(x < 1.0 for x in ratios.values())
+        if r.get("w4a16_time_us"):
+            from k3nvfp4.kernels import perf_model as pm
+
+            f = floor_us(pm.K3_SHARDS[r["shard"]], r["M"], CHECKPOINT_BLOCK[r["checkpoint"]])["us"]
+            t["floor_over_w4a16"] = round(f / r["w4a16_time_us"], 4)
+            t["reachable"] = t["floor_over_w4a16"] <= bound
         out.append(t)
     return out
 
@@ -260,9 +307,16 @@ def markdown(result: dict) -> list[str]:
         lines += ["", f"Issue 38's static targets (H200, {'/'.join(TARGET_SHARDS).upper()}): at M >= {PREFILL_M} "
                   f"e4m3 / W4A16 <= {PREFILL_RATIO} and ahead of every peer that runs the shard; at M <= "
                   f"{DECODE_M} e4m3 / W4A16 <= {DECODE_RATIO}. Met at {sum(x['met'] for x in t)} of {len(t)} points:",
-                  "", "| ckpt | shard | M | e4m3 / W4A16 | bound | e4m3 / each peer | met |", "|---|---|---|---|---|---|---|"]
+                  "", "| ckpt | shard | M | e4m3 / W4A16 | bound | floor / W4A16 | e4m3 / each peer | met |",
+                  "|---|---|---|---|---|---|---|---|"]
         for x in t:
             each = ", ".join(f"{v:.2f} ({PEER_LABEL[k]})" for k, v in x["e4m3_over_peers"].items()) or "- (none runs it)"
+            fl = x.get("floor_over_w4a16")
+            fl = "-" if fl is None else f"{fl:.2f}" + ("" if x["reachable"] else " (out of reach)")
             lines.append(f"| {x['checkpoint']} | {x['shard']} | {x['M']} | {x['e4m3_over_w4a16']:.2f} | {x['bound']} | "
-                         f"{each} | {'yes' if x['met'] else 'no'} |")
+                         f"{fl} | {each} | {'yes' if x['met'] else 'no'} |")
+        lines += ["", "floor: `w4a8_rows.floor_us`, the least time any e4m3 call on this skeleton can take under the "
+                  "model's device figures (the weights, activations and fp32 top-k sum at the copy bandwidth, the "
+                  "useful MACs at the FP8 rate, nothing else); \"out of reach\": the floor alone exceeds the bound "
+                  "(docs/w4a8.md, \"What the targets can reach\")."]
     return lines
