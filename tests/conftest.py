@@ -23,14 +23,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 # The slowest files first, longest first (seconds per file on one of two xdist workers, 2 cores,
-# cold Triton cache, 2026-12-06, `make test` 763 s): with two workers (`make test`: --dist loadfile
-# --no-loadscope-reorder, without which xdist ignores this order) a long file started last would
-# finish alone. launch_configs 340 (its compiles share the cores with the servers), K3 servers 188,
-# model_class (both checkpoints; 94 s alone, it was 154 s as two files) about 120, tiny-Llama
-# servers 87, test_moe 106, sglang_plugin 64, launches 66, memory_ordering 45.
+# cold Triton cache, 2026-12-06, pytest 742 s on this VM, about 0.75x that on CI): with two
+# workers (`make test`: --dist loadfile --no-loadscope-reorder, without which xdist ignores this
+# order) a long file started last would finish alone (test_weak_memory did: 37 s after the other
+# worker). launch_configs 328 (its compiles share the cores with the servers), K3 servers 193,
+# model_class 112, tiny-Llama servers 101, test_moe 97, checkpoint_ranks 56, memory_ordering 50,
+# launches 49, weak_memory 43, packaging 40, sglang_plugin 36, checkpoint_pool 35.
 SLOW_FIRST = ("test_launch_configs.py", "test_real_server_k3.py", "test_model_class.py", "test_real_server.py",
-              "test_moe.py", "test_sglang_plugin.py", "test_launches.py", "test_packaging.py",
-              "test_memory_ordering.py")
+              "test_moe.py", "test_checkpoint_ranks.py", "test_memory_ordering.py", "test_launches.py",
+              "test_weak_memory.py", "test_packaging.py", "test_sglang_plugin.py", "test_checkpoint_pool.py")
 
 
 def pytest_collection_modifyitems(config, items):
