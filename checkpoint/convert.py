@@ -262,7 +262,10 @@ def _in_worker(fn, task: ShardTask):
     one still running: multiprocessing.Pool would wait for its result forever. The queue is a
     SimpleQueue, whose ``put`` has written to the pipe when it returns: a Queue hands the write
     to a thread of this process, and a process killed before that thread ran took its "start"
-    with it (the main process then waited forever: tests/test_checkpoint_pool.py)."""
+    with it (the main process then waited forever: tests/test_checkpoint_pool.py). Not covered:
+    a worker killed between taking the task from the pool and this put returning (microseconds,
+    before the task has read a byte; multiprocessing.Pool does not say which process took which
+    task), which would still leave the run waiting."""
     _worker_queue.put(("start", os.getpid(), task.shard.name))
     try:
         return fn(task)
