@@ -541,9 +541,8 @@ def markdown(result: dict) -> str:
     for sec in ("marlin", "flashinfer", "flashinfer_w4a8"):
         if not result.get(sec, {"available": True})["available"]:
             # the reason's head and its last line (a compiler's verdict comes after its warnings)
-            reason = result[sec]["reason"].strip()
-            last = reason.splitlines()[-1] if "\n" in reason else ""
-            lines.append(f"\n- {sec}: not available: {reason.splitlines()[0][:300]}" + (f" ... {last[:200]}" if last else ""))
+            first, *rest = result[sec]["reason"].strip().splitlines() or [""]
+            lines.append(f"\n- {sec}: not available: {first[:300]}" + (f" ... {rest[-1][:200]}" if rest else ""))
     for e in result["errors"]:
         lines.append(f"\n- {e}")
     return "\n".join(lines) + "\n"

@@ -173,17 +173,16 @@ def floor_us(shard, M: int, weight_block: int, device=None, assumptions=None) ->
     floor > bound x W4A16 cannot be met by a better kernel on this skeleton, only by moving fewer
     bytes (targets)."""
     from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.moe_w4a8_details.call_model import ACT_BYTES as act, w4a8_bytes_per_weight
 
     device = device or pm.H200
     a = assumptions or pm.DEFAULT_ASSUMPTIONS
-    H, I, k = shard.hidden, shard.intermediate, shard.top_k
-    pairs = M * k * shard.local_experts / shard.global_experts
-    p = min(1.0, k / shard.global_experts)
-    active = shard.local_experts * (1.0 - (1.0 - p) ** M)  # experts with at least one token (expected)
-    act = 1 + 4 / 128  # E4M3 + one fp32 scale per 128 columns
+    H, I = shard.hidden, shard.intermediate
+    routing = pm.expected_routing(shard, M, 16)  # its pairs and active experts do not depend on the tile
+    pairs, active = routing.local_pairs, routing.active_experts
 
     def bpw(K: int) -> float:
-        return 0.5 + 1 / weight_block + 4 / K
+        return w4a8_bytes_per_weight(weight_block, K)
 
     bw, fp8 = device.hbm_copy_bytes_per_s, a.mma_efficiency * device.mma_fp8_flops
     topk_sum = M * H * 4 + pairs * H * 4 + M * H * 4 + M * H * 2

@@ -167,6 +167,22 @@ def test_bad_shard_in_the_spawned_worker(src, tmp_path, reference):
     _assert_unfinished_and_clean(out, reference)
 
 
+def _assert_lost_worker_named_then_resume(finished: tuple[int, str], names: str, src: Path, out: Path,
+                                          before: dict[str, str], reference: dict[str, str], capsys) -> None:
+    """A cast whose pool worker died: exit 1 with a one-line error starting with ``names`` (the
+    shard and its worker), nothing left half-written; then the same command resumes it to the
+    uninterrupted cast's bytes, the source untouched."""
+    rc, err = finished
+    assert rc == 1, err
+    assert names in err and "ended without a result" in err, err
+    assert "Traceback" not in err, err
+    _assert_unfinished_and_clean(out, reference)
+    rc, err = _resume_in_process(src, out, capsys)
+    assert rc == 0, err
+    assert _tree_hash(out, skip=("cast_report.json",)) == reference
+    assert _tree_hash(src) == before
+
+
 def test_worker_killed_mid_shard_is_an_error_then_resumes(src, tmp_path, reference, capsys):
     """The spawned worker dies (SIGKILL, as the OOM killer does) half-way through writing a shard:
     the run stops with an error naming the shard instead of waiting forever for its result,
@@ -178,15 +194,8 @@ def test_worker_killed_mid_shard_is_an_error_then_resumes(src, tmp_path, referen
     role, pid = run.wait_for_holds(1)[shards[1]]
     assert role == "pool" and (out / f".{shards[1]}.partial").is_file()
     os.kill(pid, signal.SIGKILL)
-    rc, err = run.finish()
-    assert rc == 1, err
-    assert f"{out / shards[1]}: the worker process (pid {pid})" in err and "ended without a result" in err, err
-    assert "Traceback" not in err, err
-    _assert_unfinished_and_clean(out, reference)
-    rc, err = _resume_in_process(src, out, capsys)
-    assert rc == 0, err
-    assert _tree_hash(out, skip=("cast_report.json",)) == reference
-    assert _tree_hash(src) == before
+    _assert_lost_worker_named_then_resume(run.finish(), f"{out / shards[1]}: the worker process (pid {pid})",
+                                          src, out, before, reference, capsys)
 
 
 def test_worker_killed_as_it_takes_a_shard_is_an_error(src, tmp_path, reference, capsys):
@@ -197,16 +206,10 @@ def test_worker_killed_as_it_takes_a_shard_is_an_error(src, tmp_path, reference,
     before = _tree_hash(src)
     out = tmp_path / "out"
     run = HarnessRun(tmp_path, src, out, {"main_waits_for_pool": True, "die_at_start": [shards[1]]})
-    rc, err = run.finish()
+    finished = run.finish()
     assert (run.ctl / "died").read_bytes().rstrip(b"\0") == shards[1].encode()  # it did die there
-    assert rc == 1, err
-    assert f"{out / shards[1]}: the worker process (pid " in err and "ended without a result" in err, err
-    assert "Traceback" not in err, err
-    _assert_unfinished_and_clean(out, reference)
-    rc, err = _resume_in_process(src, out, capsys)
-    assert rc == 0, err
-    assert _tree_hash(out, skip=("cast_report.json",)) == reference
-    assert _tree_hash(src) == before
+    _assert_lost_worker_named_then_resume(finished, f"{out / shards[1]}: the worker process (pid ",
+                                          src, out, before, reference, capsys)
 
 
 def _interrupted_mid_cast(tmp_path: Path, src: Path, out: Path, sig: int) -> tuple[int, str]:
