@@ -368,7 +368,8 @@ def e4m3_mode_arm(torch, shape, device, seed: int):
 
 
 def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph: bool) -> dict:
-    """One e4m3 point: checked against fused_moe_w4a8_reference (normwise <= 1e-2) before timing."""
+    """One e4m3 point: checked against fused_moe_w4a8_reference (normwise <= 1e-2) before timing;
+    "tables": the E4M3 table each GEMM's weights chose (W4A8MoEWeights.w13_table, w2_table)."""
     from k3nvfp4.kernels.moe_w4a8_reference import fused_moe_w4a8_reference
     from k3nvfp4.kernels.tune import normwise_error
 
@@ -380,7 +381,7 @@ def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph:
         return {"error": f"output differs from fused_moe_w4a8_reference: normwise {err:.3g} > 1e-2 (not timed)"}
     t, n, t_eager, mode, why = time_call(torch, run, out, timer, use_graph=not no_graph, what="act_quant=e4m3")
     return {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "normwise_vs_reference": err,
-            **({"graph_failure": why} if why else {})}
+            "tables": [weights.w13_table, weights.w2_table], **({"graph_failure": why} if why else {})}
 
 
 FLASHINFER_TOL = 2e-2  # SM90 W4A16: bf16, normwise, as marlin's (FlashInfer also rounds the GEMM1 output to bf16)
@@ -470,7 +471,7 @@ def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, t
         return {"error": f"output differs from fused_moe_fp4_reference: normwise {err:.3g} > 1e-2 (not timed)"}
     t, n, t_eager, mode, why = time_call(torch, run, out, timer, use_graph=not no_graph, what=f"act_quant={act_quant}")
     return {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "normwise_vs_reference": err,
-            **({"graph_failure": why} if why else {})}
+            "tables": [weights.w13_table, weights.w2_table], **({"graph_failure": why} if why else {})}
 
 
 def time_marlin(torch, marlin, x, tw, ids, shape, M: int, timer, nbytes: int, no_graph: bool) -> dict:

@@ -94,8 +94,9 @@ def stale_w4a8_rows(rows: list[dict]) -> list[str]:
         wb = {"nvfp4": 16, "mxfp4": 32}[r["checkpoint"]]
         for k, kind in zip(r["kernels"], ("gemm1", "gemm2")):
             tile = cfg.tile(kind)
-            where = f"H200 e4m3 {r['checkpoint']} {r['shard']} M={r['M']} {tile.label()}"
-            cost = tile_cost(tile, COST_ARCH, W4A8Config.cost_mode(wb))
+            table = r.get("table", "full")
+            where = f"H200 e4m3 {r['checkpoint']} {table} {r['shard']} M={r['M']} {tile.label()}"
+            cost = tile_cost(tile, COST_ARCH, W4A8Config.cost_mode(wb, table))
             if cost is None:
                 out.append(f"{where}: not in the table")
                 continue
@@ -174,7 +175,9 @@ def stale_fp4_table() -> list[str]:
 
 
 def _key(row: dict) -> tuple:
-    return tuple(row.get(f) for f in ("implementation", "checkpoint", "device", "shard", "M", "kernel", "arch"))
+    # "table": the e4m3 rows' E4M3 table (None elsewhere); last, so that [1:5] stays (checkpoint .. M)
+    return tuple(row.get(f) for f in ("implementation", "checkpoint", "device", "shard", "M", "kernel", "arch",
+                                      "table"))
 
 
 def _section_rows(result: dict) -> dict[str, list[dict]]:

@@ -672,7 +672,7 @@ def main(argv=None) -> int:
     plan = Statics(planning=True)  # which compiles the rows need, then all of them in parallel
     for d, shards, ckpt in passes:
         our_rows(d, shards, m_list, plan, heuristic, ckpt)
-    w4a8 = None  # the Hopper W4A8 (e4m3) rows: H200, every shard and M of the W4A16 rows, both checkpoints
+    w4a8 = None  # the Hopper W4A8 (e4m3) rows: H200, every shard and M of the W4A16 rows, both checkpoints x tables
     if "H200" in devices and not args.baseline:
         sys.path.insert(0, str(REPO / "bench"))
         import w4a8_rows
@@ -680,7 +680,8 @@ def main(argv=None) -> int:
         w4a8_shards = args.shards.split(",") if args.shards else DEVICE_SHARDS["H200"]
         w4a8_plan, w4a8 = w4a8_rows.W4A8Statics(planning=True), w4a8_rows.W4A8Statics()
         for ckpt in CHECKPOINTS:
-            w4a8_rows.rows(w4a8_shards, m_list, w4a8_plan, ckpt)
+            for table in w4a8_rows.TABLES:
+                w4a8_rows.rows(w4a8_shards, m_list, w4a8_plan, ckpt, table)
     statics.prefetch(plan.jobs, args.workers, w4a8, w4a8_plan.jobs if w4a8 is not None else None)
     fp4_ptx = None
     if args.ptx_dir and "B200" in devices and not args.baseline:
@@ -710,7 +711,8 @@ def main(argv=None) -> int:
     }
     result["floor"] = floor_rows(result)
     if w4a8 is not None:
-        result["e4m3"] = {"rows": [r for ckpt in CHECKPOINTS for r in w4a8_rows.rows(w4a8_shards, m_list, w4a8, ckpt)]}
+        result["e4m3"] = {"rows": [r for ckpt in CHECKPOINTS for table in w4a8_rows.TABLES
+                                   for r in w4a8_rows.rows(w4a8_shards, m_list, w4a8, ckpt, table)]}
         w4a8_rows.compare(result)
         result["e4m3"]["targets"] = w4a8_rows.targets(result)
         statics.errors += w4a8.errors

@@ -95,7 +95,7 @@ W4A8_E4M3 = KernelMode(
     "e4m3", "W4A8",
     "E2M1 weights expanded exactly to E4M3 in registers (x 2^r x scale_2 per row), activations E4M3 "
     "(fp32 scale per token per 128), tl.dot e4m3 x e4m3 (FP8 wgmma on sm90), fp32 promotion per 128 K",
-    W4A8MoEWeights, W4A8Config, tuple(W4A8Config.cost_mode(b) for b in (16, 32)),  # both weight blocks
+    W4A8MoEWeights, W4A8Config, W4A8Config.cost_modes(),  # both weight blocks x both E4M3 tables
     lambda *t: W4A8MoEWeights.from_modelopt(*t), lambda *t: W4A8MoEWeights.from_mxfp4(*t),
 )
 

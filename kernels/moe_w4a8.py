@@ -133,7 +133,7 @@ def run_w4a8(
         empty = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
         return W4A8Run(out, empty, empty.float(), empty, empty.float(), None, None)
     cfg = config or get_w4a8_config(E, H, I, k, M, num_global_experts=num_global_experts,
-                                    weight_block=weights.block)
+                                    weight_block=weights.block, tables=(weights.w13_table, weights.w2_table))
     cfg.check(H, I)
     ng_h, ng_i = -(-H // ACT_GROUP), -(-I // ACT_GROUP)
     aq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=device)
@@ -165,6 +165,7 @@ def run_w4a8(
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         num_pairs, k, H, I, beta, linear_beta,
         ACT=activation.kernel_id, HAS_LINEAR_BETA=activation.has_linear_beta, WB=weights.block,
+        NORMAL=weights.w13_table == "normal",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SPLIT_K=cfg.split_k1, **launch,
     )
 
@@ -177,7 +178,8 @@ def run_w4a8(
         buf, out, out.stride(0), out.stride(1), tickets2,
         routing.sorted_pair_ids, routing.block_expert_ids, routing.num_padded,
         num_pairs, k, E, H, I, 1.0 if routed_scaling_factor is None else float(routed_scaling_factor),
-        WB=weights.block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+        WB=weights.block, NORMAL=weights.w2_table == "normal", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2,
+        BLOCK_K=cfg.block_k2,
         SPLIT_K=cfg.split_k2, ATOMIC=atomic, **launch,
     )
     return W4A8Run(out, aq, asc, iq, isc, routing, cfg)

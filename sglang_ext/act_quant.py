@@ -112,7 +112,7 @@ def kernel_weights_for_mode(tensors: Any, act_quant: str, layer_name: str) -> An
 def _prepare_e4m3(mode: Any, tensors: Any, layer_name: str) -> Any:
     """The e4m3 (W4A8) weights: the device checked at load; a refused matrix (a non-power-of-two
     NVFP4 block scale, an E8M0 NaN) stops the load naming the layer; re-encoded out-of-window
-    blocks are logged with the layer's name."""
+    blocks, and each matrix that takes the slower full E4M3 table, are logged with the layer's name."""
     import warnings
 
     from k3nvfp4.kernels.moe_w4a8 import check_w4a8_supported
@@ -126,6 +126,10 @@ def _prepare_e4m3(mode: Any, tensors: Any, layer_name: str) -> Any:
             raise ValueError(f"{BACKEND_NAME} with {ENV_ACT_QUANT}=e4m3: layer {layer_name!r}: {err}") from None
     for w in caught:
         logger.warning("%s with %s=e4m3: layer %r: %s", BACKEND_NAME, ENV_ACT_QUANT, layer_name, w.message)
+    full = [name for name, table in (("w13", weights.w13_table), ("w2", weights.w2_table)) if table == "full"]
+    if full:
+        logger.info("%s with %s=e4m3: layer %r: %s take(s) the full E4M3 table (a block 12 or more binades below "
+                    "its row's largest; docs/w4a8.md)", BACKEND_NAME, ENV_ACT_QUANT, layer_name, " and ".join(full))
     return weights
 
 

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from k3nvfp4.kernels.moe_details.e4m3_expand import (E4M3_EXPAND_MAX_OFFSET, E4M3_EXPAND_MIN_OFFSET,
-                                                     expand_e2m1_to_e4m3, expand_e2m1_to_e4m3_reference)
+                                                     E4M3_NORMAL_MIN_OFFSET, expand_e2m1_to_e4m3,
+                                                     expand_e2m1_to_e4m3_reference)
 
 OFFSETS = np.arange(E4M3_EXPAND_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET + 1)
 
@@ -104,38 +105,67 @@ def test_probe_gemm_multiplies_the_prepared_weights():
 
 
 @triton.jit
-def _words_kernel(w_ptr, off_ptr, out_ptr, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _words_kernel(w_ptr, off_ptr, out_ptr, K, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NORMAL: tl.constexpr):
     from k3nvfp4.kernels.moe_w4a8_details.kernels import _expanded_weights
 
     blocks = tl.arange(0, R // 16)
     rows = tl.arange(0, R)
     for k0 in range(0, K, BLOCK_K):
-        w = _expanded_weights(w_ptr, off_ptr, blocks, k0 // 64, K // 64, WB, R // 16, BLOCK_K)
+        w = _expanded_weights(w_ptr, off_ptr, blocks, k0 // 64, K // 64, WB, R // 16, BLOCK_K, NORMAL)
         tl.store(out_ptr + rows[:, None] * K + (k0 + tl.arange(0, BLOCK_K))[None, :], w.to(tl.uint8, bitcast=True))
 
 
+def _word_form_case(wb: int, offsets: np.ndarray, seed: int = 1):
+    """32 rows x 128 K of E2M1 codes (half the rows every code in every block, half random) with
+    block offsets drawn from ``offsets`` (each several times): (packed uint8 [32, 64], offsets int8
+    [32, 128 / wb], the fragment-order words and offsets)."""
+    from k3nvfp4.kernels.moe_w4a8_details.fragment import to_fragment_order
+
+    g = np.random.default_rng(seed)
+    R, K = 32, 128
+    codes = g.integers(0, 16, (R, K), dtype=np.uint8)
+    codes[: R // 2] = (np.arange(K)[None, :] * 7 + np.arange(R // 2)[:, None]) % 16  # every code in every block
+    packed = torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4))
+    offs = np.resize(offsets, R * K // wb).reshape(R, K // wb)  # every offset in several blocks
+    offs = torch.from_numpy(g.permuted(offs, axis=0).astype(np.int8))
+    return (packed, offs, *to_fragment_order(packed, offs, wb))
+
+
+def _word_form_tile(words, frag_offs, wb: int, block_k: int, normal: bool) -> torch.Tensor:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.empty(32, 128, dtype=torch.uint8, device=dev)
+    _words_kernel[(1,)](words.to(dev), frag_offs.to(dev), out, 128, WB=wb, R=32, BLOCK_K=block_k, NORMAL=normal)
+    return out.cpu()
+
+
+def _reference_tile(packed, offs, wb: int) -> torch.Tensor:
+    from k3nvfp4.kernels import formats
+
+    return expand_e2m1_to_e4m3_reference(formats.unpack_e2m1(packed), offs.to(torch.int32).repeat_interleave(wb, dim=1))
+
+
 @pytest.mark.parametrize("wb", [32, 16])
-@pytest.mark.parametrize("block_k", [64, 128])
-def test_word_form_tile_is_the_reference(wb, block_k):
+@pytest.mark.parametrize("block_k, table", [(64, "full"), (128, "full"), (64, "normal")])
+def test_word_form_tile_is_the_reference(wb, block_k, table):
     """The W4A8 kernels' expansion routine (moe_w4a8_details/kernels._expanded_weights: the weights
     in wgmma's fragment order, int32 word and int8 offset loads, e4m3_expand.fragment_tile's
     plain-Triton tables and lookup, the same bits as the PTX, which test_e4m3_prmt_ptx.py and
     test_w4a8_fragment_probe.py check) in the interpreter: the tile equal to
     expand_e2m1_to_e4m3_reference in K order over every code in blocks of every offset of the
-    window (and random rows), 32 rows x 2 K steps of 64 or one of 128."""
-    from k3nvfp4.kernels import formats
-    from k3nvfp4.kernels.moe_w4a8_details.fragment import to_fragment_order
+    table's range (the full table: the window [-8, 6]; the normal one: [-5, 6]) and random rows,
+    32 rows x 2 K steps of 64 or one of 128."""
+    low = E4M3_EXPAND_MIN_OFFSET if table == "full" else E4M3_NORMAL_MIN_OFFSET
+    packed, offs, words, frag_offs = _word_form_case(wb, np.arange(low, E4M3_EXPAND_MAX_OFFSET + 1))
+    assert torch.equal(_word_form_tile(words, frag_offs, wb, block_k, table == "normal"),
+                       _reference_tile(packed, offs, wb))
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = np.random.default_rng(1)
-    R, K = 32, 128
-    codes = g.integers(0, 16, (R, K), dtype=np.uint8)
-    codes[: R // 2] = (np.arange(K)[None, :] * 7 + np.arange(R // 2)[:, None]) % 16  # every code in every block
-    packed = torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4))
-    offs = np.resize(OFFSETS, R * K // wb).reshape(R, K // wb)  # every offset in several blocks
-    offs = torch.from_numpy(g.permuted(offs, axis=0).astype(np.int8))
-    words, frag_offs = to_fragment_order(packed, offs, wb)
-    out = torch.empty(R, K, dtype=torch.uint8, device=dev)
-    _words_kernel[(1,)](words.to(dev), frag_offs.to(dev), out, K, WB=wb, R=R, BLOCK_K=block_k)
-    want = expand_e2m1_to_e4m3_reference(formats.unpack_e2m1(packed), offs.to(torch.int32).repeat_interleave(wb, dim=1))
-    assert torch.equal(out.cpu(), want)
+
+@pytest.mark.parametrize("j", [-6, -7, -8])
+def test_normal_table_is_wrong_below_its_range(j):
+    """Why the preparation chooses the table per matrix: one block at j < -5 expanded by the normal
+    table gives other bytes than the reference (and than the full table)."""
+    packed, offs, words, frag_offs = _word_form_case(32, np.array([0, j]))
+    want = _reference_tile(packed, offs, 32)
+    assert torch.equal(_word_form_tile(words, frag_offs, 32, 64, False), want)
+    assert not torch.equal(_word_form_tile(words, frag_offs, 32, 64, True), want)

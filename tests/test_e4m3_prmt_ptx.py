@@ -13,9 +13,11 @@ import torch
 
 from ptx_emulator import UnsupportedPTX, run
 from k3nvfp4.kernels.moe_details.e4m3_expand import (E4M3_EXPAND_MAX_OFFSET, E4M3_EXPAND_MIN_OFFSET, E4M3_LOOKUP_PTX,
-                                                     E4M3_TABLE_PTX, expand_e2m1_to_e4m3_reference)
+                                                     E4M3_NORMAL_MIN_OFFSET, E4M3_NORMAL_TABLE_PTX, E4M3_TABLE_PTX,
+                                                     expand_e2m1_to_e4m3_reference)
 
 OFFSETS = range(E4M3_EXPAND_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET + 1)
+NORMAL_OFFSETS = range(E4M3_NORMAL_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET + 1)
 TABLE_CONSTRAINTS = "=r,=r,r"  # as e4m3_block_tables passes them
 LOOKUP_CONSTRAINTS = "=r,=r,r,r,r"  # as expand_e2m1_words_e4m3 passes them
 
@@ -90,6 +92,30 @@ def test_a_mutated_table_fails(bad, new):
     asm = E4M3_TABLE_PTX.replace(bad, new)
     assert asm != E4M3_TABLE_PTX
     assert any(_bytes(t[0]) + _bytes(t[1]) != _reference(list(range(8)), j) for j in OFFSETS
+               for t in [_tables(j, asm)])
+
+
+@pytest.mark.parametrize("j", list(OFFSETS))
+def test_normal_table_is_the_reference_bytes_from_minus5(j):
+    """E4M3_NORMAL_TABLE_PTX (the two multiply-adds, for matrices whose offsets are all >= -5): the
+    reference bytes over its range, expanded by the lookup over every code at every position; below
+    -5 (the subnormal E4M3 entries) it is wrong, which is why the preparation chooses per matrix."""
+    tlo, thi = _tables(j, E4M3_NORMAL_TABLE_PTX)
+    table_ok = _bytes(tlo) + _bytes(thi) == _reference(list(range(8)), j)
+    if j not in NORMAL_OFFSETS:
+        assert not table_ok, (j, hex(tlo), hex(thi))
+        return
+    assert table_ok, (j, hex(tlo), hex(thi))
+    assert (tlo, thi) == _tables(j)  # the full table's bytes where both apply
+    for codes in _words_covering_every_code_at_every_position():
+        lo, hi = run(E4M3_LOOKUP_PTX, LOOKUP_CONSTRAINTS, [_word(codes), tlo, thi])
+        assert _bytes(lo) + _bytes(hi) == _reference(codes, j), (j, codes, hex(lo), hex(hi))
+
+
+def test_a_mutated_normal_table_fails():
+    asm = E4M3_NORMAL_TABLE_PTX.replace("0x08080808", "0x08080800")
+    assert asm != E4M3_NORMAL_TABLE_PTX
+    assert any(_bytes(t[0]) + _bytes(t[1]) != _reference(list(range(8)), j) for j in NORMAL_OFFSETS
                for t in [_tables(j, asm)])
 
 

@@ -112,6 +112,28 @@ def test_plugin_prepares_each_mode_from_the_checkpoint_tensors(monkeypatch, case
         assert mode_of(w) is MODES[mode]
 
 
+def test_plugin_logs_the_e4m3_matrices_that_take_the_full_table(case, caplog):
+    """The e4m3 load step names, per layer, each matrix whose blocks force the slower full E4M3
+    table (one w2 block 12 binades below its row's largest), and logs nothing for normal ones."""
+    import logging
+
+    from k3nvfp4.sglang_ext.act_quant import kernel_weights_for_mode
+
+    mx, *_ = case
+    with caplog.at_level(logging.INFO, logger="k3nvfp4.sglang_ext.act_quant"):
+        w = kernel_weights_for_mode(mx, "e4m3", "model.layers.3.mlp.experts")
+    assert (w.w13_table, w.w2_table) == ("normal", "normal")
+    assert "full E4M3 table" not in caplog.text
+    e2 = mx.w2_e8m0.clone()
+    row, top = e2[1, 5], int(e2[1, 5].max())
+    row[1], row[0] = top, top - 12
+    with caplog.at_level(logging.INFO, logger="k3nvfp4.sglang_ext.act_quant"):
+        w = kernel_weights_for_mode(MXFP4MoETensors(mx.w13, mx.w13_e8m0, mx.w2, e2), "e4m3",
+                                    "model.layers.4.mlp.experts")
+    assert (w.w13_table, w.w2_table) == ("normal", "full")
+    assert "'model.layers.4.mlp.experts': w2 take(s) the full E4M3 table" in caplog.text
+
+
 def test_each_mode_names_the_cost_sections_its_config_reads():
     """A mode's cost_modes are the sections its config class's heuristic looks up, and each has
     measured rows in the generated table (a mode without them would plan on nothing)."""
@@ -122,6 +144,8 @@ def test_each_mode_names_the_cost_sections_its_config_reads():
     assert MODES["none"].cost_modes == tuple(MODES["none"].config_type.cost_mode(f) for f in (E5M3_16, E8M0_32))
     for name in ("nvfp4", "mxfp8"):
         assert MODES[name].cost_modes == (MODES[name].config_type.cost_mode(name),)
-    assert MODES["e4m3"].cost_modes == tuple(MODES["e4m3"].config_type.cost_mode(b) for b in (16, 32))
+    assert MODES["e4m3"].cost_modes == tuple(MODES["e4m3"].config_type.cost_mode(b, t) for b in (16, 32)
+                                             for t in ("full", "normal"))
+    assert MODES["e4m3"].cost_modes == ("w4a8 e4m3/16", "w4a8 e4m3/16 normal", "w4a8 e4m3/32", "w4a8 e4m3/32 normal")
     for mode in MODES.values():
         assert set(mode.cost_modes) <= measured, (mode.name, mode.cost_modes)

@@ -78,7 +78,8 @@ def test_fp4_modes_shipped_configs_launch_without_spills(report):
 
 
 def test_e4m3_shipped_configs_launch_without_spills_on_fp8_wgmma(report):
-    """The Hopper W4A8 mode's rows (H200, every shard and M of the W4A16 rows, both checkpoints):
+    """The Hopper W4A8 mode's rows (H200, every shard and M of the W4A16 rows, both checkpoints, both
+    E4M3 tables the preparation may choose):
     W4A8Config.heuristic's pick launches, spills nothing, and each GEMM is FP8 wgmma (`.e4m3.e4m3`,
     K = 32) with the expanded weights from registers, an MMA in the hot loop and no bf16 wgmma (no
     decomposition). TP32 (I = 96, not a multiple of 64) is the one shard it cannot run."""
@@ -86,11 +87,11 @@ def test_e4m3_shipped_configs_launch_without_spills_on_fp8_wgmma(report):
     from sass_report import CHECKPOINTS, DEVICE_SHARDS
 
     rows = report["e4m3"]["rows"]
-    assert {(r["checkpoint"], r["shard"], r["M"]) for r in rows} == {
-        (c, s, M) for c in CHECKPOINTS for s in DEVICE_SHARDS["H200"] for M in M_LIST}
+    assert {(r["checkpoint"], r["table"], r["shard"], r["M"]) for r in rows} == {
+        (c, t, s, M) for c in CHECKPOINTS for t in ("full", "normal") for s in DEVICE_SHARDS["H200"] for M in M_LIST}
     failures = []
     for r in rows:
-        where = f"e4m3 {r['checkpoint']} {r['shard']} M={r['M']}"
+        where = f"e4m3 {r['checkpoint']} {r['table']} {r['shard']} M={r['M']}"
         if "error" in r:
             if not (r["shard"] == "tp32" and r["error"].startswith("not runnable")):
                 failures.append(f"{where}: {r['error']}")

@@ -86,7 +86,7 @@ def _expected_rows(result: dict) -> set[str]:
         rows |= {f"{name} gemm2"} | ({f"{name} gemm1"} if split_k1 > 1 else set())
     for r in result["e4m3"]["rows"]:
         if "config" in r:
-            name = f"H200 e4m3 {r['checkpoint']} {r['shard']} M={r['M']}"
+            name = f"H200 e4m3 {r['checkpoint']} {r['table']} {r['shard']} M={r['M']}"
             rows |= {f"{name} gemm2"} | ({f"{name} gemm1"} if r["config"]["split_k1"] > 1 else set())
     return rows
 

@@ -41,15 +41,17 @@ U = 2.0**-24
 
 def _mxfp4_layer(seed: int, deep_blocks: bool) -> MXFP4MoETensors:
     """Random MXFP4 experts: exponents around 2^-6 (outputs O(1)), one outlier row per matrix (x2^10),
-    one all-zero row per matrix, and (deep_blocks) 5 % of blocks 18..30 binades below their row
-    (outside the 14-binade window: re-encoded)."""
+    one all-zero row per matrix, and (deep_blocks) 5 % of blocks 5..35 binades below their row's
+    largest: inside the 14-binade window at offsets -6..-8 (E4M3 subnormals, so both matrices take
+    the full E4M3 table), and below it (re-encoded: to nonzero codes from 15..17 binades below, to
+    zeros further down)."""
     g = np.random.default_rng(seed)
     out = []
     for n, k in ((2 * I, H), (H, I)):
         packed = g.integers(0, 256, (E, n, k // 2), dtype=np.uint8)
         e8 = g.integers(118, 124, (E, n, k // 32)).astype(np.int64)
         if deep_blocks:
-            e8 = np.where(g.random(e8.shape) < 0.05, 118 - g.integers(18, 31, e8.shape), e8)
+            e8 = np.where(g.random(e8.shape) < 0.05, 118 - g.integers(0, 31, e8.shape), e8)
         e8[:, 5] += 10  # an outlier row
         packed[:, 7] = 0x80  # a zero row (signed zeros)
         out += [torch.from_numpy(packed), torch.from_numpy(e8.astype(np.uint8))]
@@ -166,6 +168,7 @@ def test_kernels_match_the_oracle(layer, name):
     mx, w, (w13o, w2o) = layer
     assert w.out_of_window > 0 and 0 < w.rounded <= w.out_of_window
     assert w.out_of_window == sum(m.out_of_window for m in w13o + w2o)
+    assert (w.w13_table, w.w2_table) == ("full", "full")  # the re-encoded blocks sit at offset -8
     x = _tokens(11)
     tw, ids = _routing(11)
     run = run_w4a8(x.to(DEV), w.to(DEV), tw.to(DEV), ids.to(DEV), activation=K3_SITU, routed_scaling_factor=2.5,
@@ -199,6 +202,8 @@ def test_modelopt_source_equals_the_mxfp4_source_in_window():
     mo = cast_mxfp4_moe(*mx)
     w = W4A8MoEWeights.from_modelopt(*mo)
     assert w.block == 16 and w.out_of_window == 0
+    # every block within 6 binades of its row's largest: both GEMMs take the normal E4M3 table
+    assert (w.w13_table, w.w2_table) == ("normal", "normal")
     w13o, w2o = _oracle_weights(mx)
     m13, m2 = w.matrices()
     for e in range(E):
@@ -208,6 +213,26 @@ def test_modelopt_source_equals_the_mxfp4_source_in_window():
     tw, ids = _routing(13)
     run = run_w4a8(x.to(DEV), w.to(DEV), tw.to(DEV), ids.to(DEV), config=CONFIGS["split-k"])
     _check_against_oracle(run, x, tw.numpy(), ids.numpy(), w13o, w2o, 1.0, 0.0)
+
+
+def test_each_gemm_takes_its_own_matrix_table():
+    """w13 within 6 binades per row (the normal E4M3 table), w2 with blocks at offsets -6..-8 (the
+    full one): each GEMM expands with its own matrix's table, checked against the oracle (GEMM2
+    with the normal table would get the subnormal entries wrong, tests/test_e4m3_expand.py)."""
+    flat, deep = _mxfp4_layer(10, deep_blocks=False), _mxfp4_layer(10, deep_blocks=True)
+    mx = MXFP4MoETensors(flat.w13, flat.w13_e8m0, deep.w2, deep.w2_e8m0)
+    with pytest.warns(UserWarning, match=r"w2: \d+ of"):
+        w = W4A8MoEWeights.from_mxfp4(*mx)
+    assert (w.w13_table, w.w2_table) == ("normal", "full")
+    w13o, w2o = _oracle_weights(mx)
+    assert {m.table for m in w13o} == {"normal"} and "full" in {m.table for m in w2o}
+    x = _tokens(14)
+    tw, ids = _routing(14)
+    run = run_w4a8(x.to(DEV), w.to(DEV), tw.to(DEV), ids.to(DEV), config=CONFIGS["atomic"])
+    _check_against_oracle(run, x, tw.numpy(), ids.numpy(), w13o, w2o, 1.0, 0.0)
+    # weights that claim the normal table below its range are refused at construction
+    with pytest.raises(ValueError, match=r"w2_table = 'normal' but w2_offsets go down to -\d"):
+        __import__("dataclasses").replace(w, w2_table="normal")
 
 
 def test_preparation_refuses_what_it_cannot_expand():
@@ -236,32 +261,37 @@ def test_config_check_names_the_field():
 
 def test_heuristic_picks_measured_tiles_that_launch_without_spills():
     """W4A8Config.heuristic chooses by the static model among measured sm90 tiles (cost table
-    sections "w4a8 e4m3/16" and "/32"): never an unmeasured or spilling tile, a config that passes
-    check(), larger token blocks at prefill than at decode; without a section, the shape rule."""
+    sections "w4a8 e4m3/16" and "/32", each also with the normal E4M3 table): never an unmeasured
+    or spilling tile, a config that passes check(), larger token blocks at prefill than at decode;
+    without a section, the shape rule."""
     from k3nvfp4.kernels import perf_model as pm
-    from k3nvfp4.kernels.costs import loop_costs
+    from k3nvfp4.kernels.costs import tile_cost
     from k3nvfp4.kernels.moe_w4a8_details.config import COST_ARCH, TOKEN_TILES, shape_rule
 
     for wb in (16, 32):
-        for s in ("tp16", "ep16", "tp8"):
-            sh = pm.K3_SHARDS[s]
-            picks = {}
-            for M in (1, 64, 4096, 16384):
-                c = W4A8Config.heuristic(sh.local_experts, sh.hidden, sh.intermediate, sh.top_k, M,
-                                         num_global_experts=sh.global_experts, weight_block=wb)
-                c.check(sh.hidden, sh.intermediate)
-                assert (c.block_m, c.num_warps) in TOKEN_TILES and c in {
-                    __import__("dataclasses").replace(b, split_k1=c.split_k1, split_k2=c.split_k2)
-                    for b in W4A8Config.candidates(sh.hidden, sh.intermediate)}
-                costs = loop_costs({k: c.tile(k) for k in ("gemm1", "gemm2")}, COST_ARCH, W4A8Config.cost_mode(wb))
-                assert costs is not None and all(x.local_bytes == 0 for x in costs.values()), (s, M, c)
-                picks[M] = c
-            assert picks[1].block_m == 16 and picks[16384].block_m >= picks[1].block_m
+        for tables in (("full", "full"), ("normal", "normal"), ("normal", "full")):
+            for s in ("tp16", "ep16", "tp8"):
+                sh = pm.K3_SHARDS[s]
+                picks = {}
+                for M in (1, 64, 4096, 16384):
+                    c = W4A8Config.heuristic(sh.local_experts, sh.hidden, sh.intermediate, sh.top_k, M,
+                                             num_global_experts=sh.global_experts, weight_block=wb, tables=tables)
+                    c.check(sh.hidden, sh.intermediate)
+                    assert (c.block_m, c.num_warps) in TOKEN_TILES and c in {
+                        __import__("dataclasses").replace(b, split_k1=c.split_k1, split_k2=c.split_k2)
+                        for b in W4A8Config.candidates(sh.hidden, sh.intermediate)}
+                    for kind, table in zip(("gemm1", "gemm2"), tables):
+                        cost = tile_cost(c.tile(kind), COST_ARCH, W4A8Config.cost_mode(wb, table))
+                        assert cost is not None and cost.local_bytes == 0, (s, M, c, kind, table)
+                    picks[M] = c
+                assert picks[1].block_m == 16 and picks[16384].block_m >= picks[1].block_m
     big = shape_rule(384, 3584, 3072, 8, 4096)
     assert big.block_m == 64 and big.block_k1 == 64 and big.block_k2 == 128 and big.split_k1 == 1
     assert big.num_warps == 8
     with pytest.raises(ValueError, match="weight_block: expected one of"):
         W4A8Config.cost_mode(8)
+    with pytest.raises(ValueError, match="table: expected one of"):
+        W4A8Config.cost_mode(16, "subnormal")
 
 
 def test_large_call_routing_path_silu_and_empty_batch(layer, monkeypatch):

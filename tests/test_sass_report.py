@@ -125,11 +125,12 @@ def test_e4m3_rows_against_the_cost_table(committed):
     rows = committed["e4m3"]["rows"]
     assert rc.stale_w4a8_rows(rows) == []
     moved = copy.deepcopy(rows)
-    row = next(r for r in moved if r["shard"] == "ep16" and r["M"] == 64 and r["checkpoint"] == "mxfp4")
+    row = next(r for r in moved if r["shard"] == "ep16" and r["M"] == 64 and r["checkpoint"] == "mxfp4"
+               and r["table"] == "normal")
     row["kernels"][0]["instructions_per_iteration"] = int(row["kernels"][0]["instructions_per_iteration"] * 1.1)
     row["kernels"][1]["ctas_per_sm"] = 0
     found = rc.stale_w4a8_rows(moved)
-    assert len(found) == 2 and all("mxfp4 ep16 M=64" in f for f in found), found
+    assert len(found) == 2 and all("mxfp4 normal ep16 M=64" in f for f in found), found
     assert "loop" in found[0] and "CTAs/SM" in found[1], found
 
 

@@ -101,7 +101,9 @@ def test_mxfp4_and_pow2_nvfp4_entry_points():
     m = orc.w4a8_from_mxfp4(packed, e8m0)
     v = orc.e2m1_values(orc.nibbles(packed)) * np.repeat(np.ldexp(1.0, e8m0.astype(np.int64) - 127), 32, axis=1)
     assert m.row_exponent.tolist() == [-6, -18, -3, -6]  # k_max - 6 per row
-    assert m.offsets.tolist() == [[6, -1], [-8, 6], [-8, 6], [6, 6]]
+    # row 2's first block re-encodes to zeros (below): a block of zeros takes offset -5
+    assert m.offsets.tolist() == [[6, -1], [-8, 6], [-5, 6], [6, 6]]
+    assert m.table == "full"  # row 1's re-encoded block sits at -8
     assert (m.dequantize()[[0, 3]] == v[[0, 3]]).all()
     assert (m.dequantize()[1:3, 32:] == v[1:3, 32:]).all()
     # row 1's first block (15 below) re-encoded at 2^(r - 8) = 2^-26; row 2's 2^-127 block rounds to 0

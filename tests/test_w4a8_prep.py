@@ -4,6 +4,8 @@ every block bit for bit, from MXFP4 and from power-of-two NVFP4; the refusals.""
 
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -46,12 +48,48 @@ def test_mxfp4_matches_the_oracle_bit_for_bit():
         assert w.row_exponent[e].numpy().tolist() == m.row_exponent.tolist()
         assert w.offsets[e].numpy().astype(np.int64).tolist() == m.offsets.tolist()
         assert np.array_equal(e4m3[e], m.e4m3)  # every block, bit for bit
+        assert m.table == "full"  # blocks 12 .. 14 binades below their row's largest, and re-encoded ones
         assert np.array_equal(w.dequantize()[e].numpy(), m.dequantize())
+    assert w.table == "full"
     assert torch.equal(w.row_scale, torch.exp2(w.row_exponent.float()))
     # where the nibbles were not re-encoded the values are the MXFP4 values exactly (the oracle's decoding)
     v = orc.e2m1_values(orc.nibbles(packed.numpy())) * np.repeat(np.ldexp(1.0, e8.numpy().astype(np.int64) - 127), 32, -1)
     kept = np.repeat(w.packed.numpy() == packed.numpy(), 2, -1)
     assert kept.mean() > 0.8 and np.array_equal(w.dequantize().numpy()[kept], v[kept])
+
+
+def _table_case(below: int, fill: int = 0x77) -> tuple[torch.Tensor, torch.Tensor]:
+    """One matrix [4, 128]: every block at E8M0 120 except block (1, 2), ``below`` binades lower,
+    holding ``fill`` in every byte."""
+    packed = torch.full((4, 64), 0x53, dtype=torch.uint8)
+    packed[1, 32:48] = fill
+    e8 = torch.full((4, 4), 120, dtype=torch.uint8)
+    e8[1, 2] = 120 - below
+    return packed, e8
+
+
+@pytest.mark.parametrize("below, fill, offset, table", [
+    (11, 0x77, -5, "normal"),   # its smallest code 0.5 x 2^-5 = 2^-6, still a normal E4M3
+    (12, 0x77, -6, "full"),     # 0.5 x 2^-6 is an E4M3 subnormal
+    (14, 0x11, -8, "full"),     # the bottom of the window
+    (40, 0x00, -5, "normal"),   # a zero block far below: exact at any offset, so it takes -5
+    (40, 0x88, -5, "normal"),   # signed zeros too
+    (23, 0x11, -5, "normal"),   # out of window: 0.5 x 2^-17 rounds to 0 at offset -8, the block empties
+    (16, 0x77, -8, "full"),     # out of window, re-encoded at -8 (6 x 2^-2 -> 1.5): stays nonzero
+])
+def test_table_is_normal_iff_every_block_with_a_code_is_at_offset_minus5_or_above(below, fill, offset, table):
+    """The preparation's per-matrix choice of the kernel's E4M3 table (prep.py), against the
+    oracle's independent rule (all eight E2M1 magnitudes x 2^offset normal E4M3 values) and by hand:
+    every row's largest block sits at offset 6, so block (1, 2) sits at 6 - below."""
+    packed, e8 = _table_case(below, fill)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the re-encoded cases warn (test_mxfp4_matches_the_oracle_bit_for_bit)
+        w = prepare_w4a8_from_mxfp4(packed, e8, name="w2")
+    m = orc.w4a8_from_mxfp4(packed.numpy(), e8.numpy())
+    assert (w.table, m.table) == (table, table)
+    assert int(w.offsets[1, 2]) == offset and int(w.offsets[0].min()) == 6
+    assert w.offsets.numpy().astype(np.int64).tolist() == m.offsets.tolist()
+    assert np.array_equal(w.expand_e4m3().numpy(), m.e4m3)
 
 
 def test_refuse_names_the_tensor():

@@ -56,6 +56,10 @@ E4M3_MAX = float(ml_dtypes.finfo(E4M3).max)  # 448
 EXACT_OFFSETS = range(-8, 7)  # j with E2M1 x 2^j exact in E4M3 for every code (docstring)
 WINDOW_TOP = EXACT_OFFSETS[-1]  # 6: the row's largest block sits here
 WINDOW_BOTTOM = EXACT_OFFSETS[0]  # -8
+E4M3_MIN_NORMAL = float(ml_dtypes.finfo(E4M3).smallest_normal)  # 2^-6
+E2M1_MIN_NONZERO = 0.5
+# The lowest offset at which every nonzero E2M1 magnitude x 2^j is a NORMAL E4M3 value: 0.5 x 2^j >= 2^-6.
+NORMAL_BOTTOM = int(np.log2(E4M3_MIN_NORMAL / E2M1_MIN_NONZERO))  # -5
 FP32_MIN_NORMAL_EXP = -126
 MX_BLOCK = 32
 
@@ -107,7 +111,9 @@ def block_exact(codes: np.ndarray, offset: np.ndarray) -> np.ndarray:
 class W4A8Matrix:
     """One weight matrix [N, K] as the W4A8 kernel would read it: E4M3 bytes uint8 [N, K] (the
     expansion of each block's nibbles by its offset), offsets int64 [N, K/B], row exponents
-    int64 [N], the counts of blocks outside the window (all / lossy ones rounded)."""
+    int64 [N], the counts of blocks outside the window (all / lossy ones rounded), and the table
+    the kernel may build: "normal" when every block holding a nonzero code has all eight E2M1
+    magnitudes x 2^offset normal E4M3 values (the kernel's two-instruction table), else "full"."""
 
     e4m3: np.ndarray
     offsets: np.ndarray
@@ -115,6 +121,7 @@ class W4A8Matrix:
     block: int
     out_of_window: int
     rounded: int
+    table: str
 
     def dequantize(self) -> np.ndarray:
         """float64 [N, K] = e4m3 x 2^r (exact)."""
@@ -135,7 +142,8 @@ def w4a8_matrix(codes: np.ndarray, k: np.ndarray, block: int, out_of_window: str
     Every block holding a nonzero code below the window (k_b - r < -8; none can lie above it) is
     re-encoded at offset -8 with codes E2M1_RNE(v x 2^(k_b - r + 8)); `out_of_window` counts them,
     `rounded` those whose values changed (a block whose values are exact at its own offset is also
-    exact re-encoded: both grids are k x 2^-9 there). All-zero blocks keep offset clip(j, -8, 6).
+    exact re-encoded: both grids are k x 2^-9 there). All-zero blocks (also those re-encoding
+    emptied) get offset clip(j, -5, 6): any offset is exact for them, and none forces the full table.
     out_of_window: "round" (lossy, counted) or "refuse" (ValueError when a block would change)."""
     if out_of_window not in ("round", "refuse"):
         raise ValueError(f"out_of_window: {out_of_window!r}")
@@ -154,8 +162,12 @@ def w4a8_matrix(codes: np.ndarray, k: np.ndarray, block: int, out_of_window: str
     if changed.any() and out_of_window == "refuse":
         raise ValueError(f"w4a8_matrix: {int(changed.sum())} blocks lie more than 14 binades below their row's largest")
     j_used = np.clip(j, WINDOW_BOTTOM, WINDOW_TOP)
+    holds = (new_codes & 7).any(axis=2)
+    j_used = np.where(holds, j_used, np.maximum(j_used, NORMAL_BOTTOM))
     bits = expand_e2m1(new_codes, j_used[..., None])
-    return W4A8Matrix(bits.reshape(N, K), j_used, r, block, int(outside.sum()), int(changed.sum()))
+    normal = (np.ldexp(E2M1_MIN_NONZERO, j_used[holds]) >= E4M3_MIN_NORMAL).all()
+    return W4A8Matrix(bits.reshape(N, K), j_used, r, block, int(outside.sum()), int(changed.sum()),
+                      "normal" if normal else "full")
 
 
 def w4a8_from_mxfp4(packed: np.ndarray, e8m0: np.ndarray, out_of_window: str = "round") -> W4A8Matrix:

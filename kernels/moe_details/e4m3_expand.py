@@ -40,6 +40,11 @@ import triton.language as tl
 
 E4M3_EXPAND_MIN_OFFSET = -8  # E2M1 x 2^j is an E4M3 value for every code iff j in [-8, 6]
 E4M3_EXPAND_MAX_OFFSET = 6
+# From j = -5 up every nonzero code lands on a NORMAL E4M3 value (0.5 x 2^-5 = 2^-6, E4M3's smallest
+# normal), so a block's table is linear in j: the "normal" table (E4M3_NORMAL_TABLE_PTX) is exact
+# for offsets in [-5, 6], the "full" one (E4M3_TABLE_PTX) for the whole window.
+E4M3_NORMAL_MIN_OFFSET = -5
+E4M3_TABLES = ("full", "normal")
 
 
 def expand_e2m1_to_e4m3_reference(codes: torch.Tensor, offset: torch.Tensor | int) -> torch.Tensor:
@@ -134,6 +139,14 @@ lop3.b32 $1, $1, 0x0604, m8, 0xf8;
 }"""
 # lop3 0xe4: c ? a : b; 0xf8: a | (b & c)
 
+# The table of a matrix whose every block has j >= -5 (E4M3_NORMAL_MIN_OFFSET: every entry a
+# normal E4M3 value): the two multiply-adds alone. The preparation chooses it per matrix
+# (moe_w4a8_details/prep.py: W4A8Weights.table), because one block at -6 .. -8 needs the full one.
+E4M3_NORMAL_TABLE_PTX = """{
+mad.lo.u32 $0, $2, 0x08080800, 0x3C383000;
+mad.lo.u32 $1, $2, 0x08080808, 0x4C484440;
+}"""
+
 E4M3_LOOKUP_PTX = """{
 .reg .b32 m, mh, w4, slo, shi, vlo, vhi;
 and.b32 m, $2, 0x77777777;
@@ -148,27 +161,38 @@ lop3.b32 $1, vhi, shi, 0x80808080, 0xf8;
 }"""
 
 _TABLE_PTX = tl.constexpr(E4M3_TABLE_PTX)
+_NORMAL_TABLE_PTX = tl.constexpr(E4M3_NORMAL_TABLE_PTX)
 _LOOKUP_PTX = tl.constexpr(E4M3_LOOKUP_PTX)
 
 
 @triton.jit
-def e4m3_block_tables(offset, USE_ASM: tl.constexpr):
-    """int32 offsets j in [-8, 6] (any shape, one per block) -> (tlo, thi) uint32 of that shape:
-    the E4M3 bytes of E2M1(mag) x 2^j for mag 0..3 (tlo, byte mag) and 4..7 (thi). USE_ASM: the
-    inline PTX above (pack 1, so the result does not depend on Triton's register order), else the
-    same arithmetic in plain Triton (the interpreter), bit for bit."""
+def e4m3_block_tables(offset, USE_ASM: tl.constexpr, NORMAL: tl.constexpr = False):
+    """int32 offsets j (any shape, one per block) -> (tlo, thi) uint32 of that shape: the E4M3
+    bytes of E2M1(mag) x 2^j for mag 0..3 (tlo, byte mag) and 4..7 (thi). j in [-8, 6], or with
+    NORMAL in [-5, 6] (the normal table: two multiply-adds instead of 11 instructions; wrong bytes
+    below -5, so only for a matrix the preparation chose it for). USE_ASM: the inline PTX above
+    (pack 1, so the result does not depend on Triton's register order), else the same arithmetic
+    in plain Triton (the interpreter), bit for bit."""
     if USE_ASM:
-        return tl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r", [offset], dtype=(tl.uint32, tl.uint32),
-                                         is_pure=True, pack=1)
+        if NORMAL:
+            return tl.inline_asm_elementwise(_NORMAL_TABLE_PTX, "=r,=r,r", [offset], dtype=(tl.uint32, tl.uint32),
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_TABLE_PTX, "=r,=r,r", [offset], dtype=(tl.uint32, tl.uint32),
+                                             is_pure=True, pack=1)
     else:
         j = offset.to(tl.int32)  # int32 arithmetic: no product or sum here leaves its range
         nlo = j * 0x08080800 + 0x3C383000
-        slo = 0x03020100 << tl.minimum(j + 8, 2)  # used only where j + 8 <= 2
-        m6 = (j + 5) >> 31  # -1 where j < -5 (arithmetic shift)
-        m8 = (j + 7) >> 31  # -1 where j == -8
-        thi = (j * 0x08080808 + 0x4C484440) | (m8 & 0x0604)
-        tlo = (slo & m6) | (nlo & (-1 - m6))
-        return tlo.to(tl.uint32, bitcast=True), thi.to(tl.uint32, bitcast=True)
+        nhi = j * 0x08080808 + 0x4C484440
+        if NORMAL:
+            return nlo.to(tl.uint32, bitcast=True), nhi.to(tl.uint32, bitcast=True)
+        else:
+            slo = 0x03020100 << tl.minimum(j + 8, 2)  # used only where j + 8 <= 2
+            m6 = (j + 5) >> 31  # -1 where j < -5 (arithmetic shift)
+            m8 = (j + 7) >> 31  # -1 where j == -8
+            thi = nhi | (m8 & 0x0604)
+            tlo = (slo & m6) | (nlo & (-1 - m6))
+            return tlo.to(tl.uint32, bitcast=True), thi.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -220,16 +244,17 @@ def _bytes4(x, R: tl.constexpr, Q: tl.constexpr):
 
 
 @triton.jit
-def fragment_tile(words, off_a, off_b, R: tl.constexpr, Q: tl.constexpr, WB: tl.constexpr, USE_ASM: tl.constexpr):
+def fragment_tile(words, off_a, off_b, R: tl.constexpr, Q: tl.constexpr, WB: tl.constexpr, USE_ASM: tl.constexpr,
+                  NORMAL: tl.constexpr = False):
     """E4M3 tile [16 R, 64 Q] (row 16 r + 8 h + g, K 64 q + 32 s + 16 half + 4 t + i) of Q 64-K
     steps' words int32 [R, 128 Q] in the fragment order (moe_w4a8_details/fragment.py: word
     128 q + ((g x 4 + t) x 2 + s) x 2 + h), and their blocks' int32 offsets [R, 128 Q] (off_a: the
     nibbles 0..3, off_b: 4..7; the same tensor for blocks of 32). USE_ASM: the table + PRMT PTX with
     pack = 4, each output register one wgmma A-fragment register; else plain Triton with the same
-    bits (the interpreter)."""
-    ta_lo, ta_hi = e4m3_block_tables(off_a, USE_ASM)
+    bits (the interpreter). NORMAL: the normal table (e4m3_block_tables; every offset >= -5)."""
+    ta_lo, ta_hi = e4m3_block_tables(off_a, USE_ASM, NORMAL)
     if WB == 16:
-        tb_lo, tb_hi = e4m3_block_tables(off_b, USE_ASM)
+        tb_lo, tb_hi = e4m3_block_tables(off_b, USE_ASM, NORMAL)
     else:
         tb_lo, tb_hi = ta_lo, ta_hi
     if USE_ASM:

@@ -6,8 +6,9 @@ fp32 scale per token per group) is quantized inside one program, K steps of 64 o
 activation group. The heuristic predicts every candidate (:meth:`W4A8Config.candidates`, each
 GEMM's split-K) with the mode's call model (call_model.w4a8_call) from the tile costs measured
 offline on sm90 (kernels/costs.py, sections "w4a8 e4m3/16" and "w4a8 e4m3/32": one per weight
-block), and never picks a tile that spills or cannot launch; where no section is measured it falls
-back to a shape rule (:func:`shape_rule`).
+block, each also with the normal E4M3 table, "... normal", for the GEMMs whose weights chose it),
+and never picks a tile that spills or cannot launch; where no section is measured it falls back to
+a shape rule (:func:`shape_rule`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass, replace
 
-from ..costs import Tile, loop_costs
+from ..costs import Tile, tile_cost
+from ..moe_details.e4m3_expand import E4M3_TABLES
 from ..moe_details.config import config_file_name, config_from_dict, load_tuned_configs, nearest_tuned
 from ..target import current_device_name
 
@@ -25,8 +27,11 @@ from ..target import current_device_name
 ACT_GROUP = 128
 # The mode's tiles are measured on sm90 (its target: FP8 wgmma); the heuristic reads those costs.
 COST_ARCH = 90
-# The cost table's mode of each weight block (16: from ModelOpt NVFP4, 32: from MXFP4).
+# The cost table's mode of each weight block (16: from ModelOpt NVFP4, 32: from MXFP4); a GEMM whose
+# weights take the normal E4M3 table (W4A8MoEWeights.w13_table / w2_table) has a section of its own.
 _COST_MODES = {16: "w4a8 e4m3/16", 32: "w4a8 e4m3/32"}
+_NORMAL_SUFFIX = " normal"
+FULL_TABLES = ("full", "full")
 # (block_m, num_warps) of the candidates: GEMM1's 256-row operand (2 x block_n1 = 128 columns) with
 # block_m tokens needs 8 warps at 64 tokens (its accumulators), 4 below; block_m 128 would spill.
 TOKEN_TILES = ((16, 4), (32, 4), (64, 8))
@@ -89,13 +94,32 @@ class W4A8Config:
                     kind == "gemm2" and self.atomic_reduce)
 
     @staticmethod
-    def cost_mode(weight_block: int) -> str:
-        """The cost table's mode of the weights' block: "w4a8 e4m3/16" (ModelOpt NVFP4) or
-        "w4a8 e4m3/32" (MXFP4) (kernels/costs.py)."""
+    def cost_mode(weight_block: int, table: str = "full") -> str:
+        """The cost table's mode of the weights' block and E4M3 table: "w4a8 e4m3/16" (ModelOpt
+        NVFP4) or "w4a8 e4m3/32" (MXFP4), + " normal" for the normal table (kernels/costs.py)."""
         try:
-            return _COST_MODES[weight_block]
+            mode = _COST_MODES[weight_block]
         except KeyError:
             raise ValueError(f"weight_block: expected one of {sorted(_COST_MODES)}, got {weight_block!r}") from None
+        if table not in E4M3_TABLES:
+            raise ValueError(f"table: expected one of {E4M3_TABLES}, got {table!r}")
+        return mode + (_NORMAL_SUFFIX if table == "normal" else "")
+
+    @staticmethod
+    def cost_modes() -> tuple[str, ...]:
+        """Every section of the cost table this mode reads (both weight blocks x both tables)."""
+        return tuple(W4A8Config.cost_mode(b, t) for b in sorted(_COST_MODES) for t in E4M3_TABLES)
+
+    def costs(self, weight_block: int, tables: tuple[str, str] = FULL_TABLES) -> dict | None:
+        """{"gemm1": LoopCost, "gemm2": LoopCost} of this config's tiles from the cost table (sm90),
+        each GEMM under its weights' table (tables: GEMM1's, GEMM2's), or None if one is missing."""
+        out = {}
+        for kind, table in zip(("gemm1", "gemm2"), tables):
+            cost = tile_cost(self.tile(kind), COST_ARCH, W4A8Config.cost_mode(weight_block, table))
+            if cost is None:
+                return None
+            out[kind] = cost
+        return out
 
     @staticmethod
     def candidates(H: int, I: int) -> tuple["W4A8Config", ...]:
@@ -118,13 +142,15 @@ class W4A8Config:
 
     @classmethod
     def heuristic(cls, E: int, H: int, I: int, top_k: int, M: int, *, num_global_experts: int | None = None,
-                  weight_block: int = 32, device_name: str = "H200") -> "W4A8Config":
+                  weight_block: int = 32, tables: tuple[str, str] = FULL_TABLES,
+                  device_name: str = "H200") -> "W4A8Config":
         """The candidate (:meth:`candidates`) and split-K pair the static model predicts fastest on
         ``device_name`` (perf_model.DEVICES; H200 where unknown) with the tile costs measured for
-        the weights' block (``weight_block`` 16 or 32, :meth:`cost_mode`); tiles that spill or
-        cannot launch are never chosen. Without a measured section, :func:`shape_rule`. Cached per
-        shape: the model runs once per shape, not per call."""
-        return _heuristic(E, H, I, top_k, M, num_global_experts, weight_block, device_name)
+        the weights' block (``weight_block`` 16 or 32) and each GEMM's E4M3 table (``tables``:
+        GEMM1's and GEMM2's, "full" or "normal", W4A8MoEWeights.w13_table / w2_table;
+        :meth:`costs`); tiles that spill or cannot launch are never chosen. Without a measured
+        section, :func:`shape_rule`. Cached per shape: the model runs once per shape, not per call."""
+        return _heuristic(E, H, I, top_k, M, num_global_experts, weight_block, tuple(tables), device_name)
 
     def check(self, H: int, I: int) -> None:
         """Raise a ValueError naming the field this config gets wrong for H, I."""
@@ -143,17 +169,20 @@ class W4A8Config:
 
 
 def get_w4a8_config(E: int, H: int, I: int, top_k: int, M: int, *, weight_block: int,
-                    num_global_experts: int | None = None, device_name: str | None = None,
-                    directory=None) -> W4A8Config:
+                    tables: tuple[str, str] = FULL_TABLES, num_global_experts: int | None = None,
+                    device_name: str | None = None, directory=None) -> W4A8Config:
     """Config for one call of the W4A8 mode: the tuned config of the nearest batch size when
     ``k3nvfp4-tune --mode e4m3`` wrote a file for (E, H, I, device, weight block) (looked up like
-    W4A16's: moe_details.config.config_dirs), else :meth:`W4A8Config.heuristic` (the static model
-    on the H200). device_name: the file's device (None: this process's CUDA device, "cpu" without one)."""
+    W4A16's: moe_details.config.config_dirs; tuned with the tables the tuner's weights chose, and
+    used for either), else :meth:`W4A8Config.heuristic` (the static model on the H200, with the
+    GEMMs' E4M3 ``tables``). device_name: the file's device (None: this process's CUDA device,
+    "cpu" without one)."""
     name = config_file_name(E, H, I, device_name or current_device_name(), W4A8Config.tuned_dtype(weight_block))
     tuned = nearest_tuned(load_tuned_configs(name, W4A8Config, directory), M)
     if tuned is not None:
         return tuned
-    return W4A8Config.heuristic(E, H, I, top_k, M, num_global_experts=num_global_experts, weight_block=weight_block)
+    return W4A8Config.heuristic(E, H, I, top_k, M, num_global_experts=num_global_experts, weight_block=weight_block,
+                                tables=tables)
 
 
 def _split(programs: int, steps: int, num_sms: int) -> int:
@@ -165,16 +194,15 @@ def _split(programs: int, steps: int, num_sms: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _heuristic(E: int, H: int, I: int, top_k: int, M: int, num_global_experts: int | None, weight_block: int,
-               device_name: str) -> W4A8Config:
+               tables: tuple[str, str], device_name: str) -> W4A8Config:
     from .. import perf_model as pm
     from .call_model import w4a8_call
 
     device = pm.DEVICES.get(device_name, pm.H200)
     shard = pm.Shard("call", E, num_global_experts or E, H, I, top_k)
-    mode = W4A8Config.cost_mode(weight_block)
     best, t_best = None, float("inf")
     for base in W4A8Config.candidates(H, I):
-        costs = loop_costs({k: base.tile(k) for k in ("gemm1", "gemm2")}, COST_ARCH, mode)
+        costs = base.costs(weight_block, tables)
         if costs is None or any(c.local_bytes for c in costs.values()):  # unmeasured, or spills
             continue
         if not all(pm.occupancy(device, c.registers, 32 * c.num_warps, c.shared_bytes)[0] for c in costs.values()):
@@ -186,12 +214,15 @@ def _heuristic(E: int, H: int, I: int, top_k: int, M: int, num_global_experts: i
         cand_best, cand_t = base, time(base)
         for kind, K, bk in (("split_k1", H, base.block_k1), ("split_k2", I, base.block_k2)):
             steps = K // bk
+            unsplit_t = cand_t
             for s in _SPLITS[1:]:
                 if s > steps or (s - 1) * -(-steps // s) >= steps:  # a slice would get no K step
                     continue
                 cand = replace(cand_best, **{kind: s})
                 t = time(cand)
-                if t * _GAIN < cand_t:
+                # A split must beat the unsplit GEMM by the noise margin; among those, the fastest
+                # (a margin between splits would stop at 2 where 4 is 3 % faster still).
+                if t * _GAIN < unsplit_t and t < cand_t:
                     cand_best, cand_t = cand, t
         if cand_t * _GAIN < t_best:
             best, t_best = cand_best, cand_t

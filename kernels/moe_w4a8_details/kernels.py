@@ -93,14 +93,16 @@ def route_quant_kernel(
 
 
 @triton.jit
-def _expanded_weights(w_e, off_e, blocks, step, KQ, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expanded_weights(w_e, off_e, blocks, step, KQ, WB: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr,
+                      NORMAL: tl.constexpr):
     """E4M3 weight tile [16 R, BLOCK_K] of one expert (pointers at the expert; the weights in
     wgmma's A-fragment order, moe_w4a8_details/fragment.py: words int32 [N/16, K/64, 128], offsets
     int8 [N/16, K/64, 1024/WB]): the 16-row blocks ``blocks`` int [R], the BLOCK_K / 64 K steps of
     64 from ``step`` (KQ = K / 64 per row block). Tile row 16 i + 8 h + g is row 16 blocks[i] +
     8 h + g. Expanded exactly by e4m3_expand.fragment_tile: on a GPU its table + PRMT PTX, each
     lookup output one A-fragment register (no shared-memory trip to the MMA); in the interpreter its
-    plain-Triton twin, the same bits."""
+    plain-Triton twin, the same bits. NORMAL: the matrix's offsets are all >= -5 (its prepared
+    table, W4A8MoEWeights.w13_table / w2_table): the two-instruction block table."""
     Q: tl.constexpr = BLOCK_K // 64
     j = tl.arange(0, 128 * Q)  # (q, word): word ((g * 4 + t) * 2 + s) * 2 + h
     ql = j // 128
@@ -113,7 +115,7 @@ def _expanded_weights(w_e, off_e, blocks, step, KQ, WB: tl.constexpr, R: tl.cons
     else:
         off_a = tl.load(off_e + steps * 32 + ob[None, :]).to(tl.int32)
         off_b = off_a
-    return fragment_tile(words, off_a, off_b, R, Q, WB, _USE_ASM)
+    return fragment_tile(words, off_a, off_b, R, Q, WB, _USE_ASM, NORMAL)
 
 
 @triton.jit
@@ -131,7 +133,7 @@ def w4a8_gemm1_kernel(
     o_ptr, os_ptr, part_ptr, tickets_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, top_k, H, I, beta, linear_beta,
-    ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, WB: tl.constexpr,
+    ACT: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, WB: tl.constexpr, NORMAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """GEMM1 + gated activation + the intermediate's quantization, one (row block, column tile of
@@ -139,9 +141,9 @@ def w4a8_gemm1_kernel(
 
     aq E4M3 [M, H], as fp32 [M, cdiv(H, 128)]: the tokens, read through pair -> token; w int32
     [E, 2I/16, H/64, 128] and off int8 [E, 2I/16, H/64, 1024/WB] (the fragment order of
-    moe_w4a8_details/fragment.py), rs fp32 [E, 2I]. ONE MMA operand of 2 x BLOCK_N weight rows per
-    K step (gate rows n .., then up rows I + n ..; a tile past I re-reads I's last 16-row block),
-    tokens on N. The row factors multiply the accumulator before split-K's partials (fp32
+    moe_w4a8_details/fragment.py; NORMAL: every offset >= -5, the normal table), rs fp32 [E, 2I].
+    ONE MMA operand of 2 x BLOCK_N weight rows per K step (gate rows n .., then up rows I + n ..;
+    a tile past I re-reads I's last 16-row block), tokens on N. The row factors multiply the accumulator before split-K's partials (fp32
     [SPLIT_K, max_padded, 2I], counters tickets[block, column tile]). The finishing program:
     SiTU / SiLU in fp32, columns past I zeroed, then E4M3 per token per 128 columns -> o E4M3
     [max_padded, I], os fp32 [max_padded, cdiv(I, 128)]. Padding rows are stored too (computed
@@ -170,7 +172,7 @@ def w4a8_gemm1_kernel(
     step_lo, step_hi = k_range(pid_k, H, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
-        w = _expanded_weights(w_e, off_e, blocks, step * (BLOCK_K // 64), H // 64, WB, 2 * RB, BLOCK_K)
+        w = _expanded_weights(w_e, off_e, blocks, step * (BLOCK_K // 64), H // 64, WB, 2 * RB, BLOCK_K, NORMAL)
         acc = _k_step(acc, w, aq_ptr, as_ptr, token, k0, H, BLOCK_K)
     acc = acc * tl.load(rs_ptr + expert * two_i + w_rows)[:, None]
     g, u = _split_gate_up(acc, BLOCK_M, BLOCK_N, True)  # each [BN, BM]
@@ -197,12 +199,13 @@ def w4a8_gemm2_kernel(
     buf_ptr, out_ptr, stride_om, stride_oh, tickets_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, top_k, num_experts, H, I, scale,
-    WB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WB: tl.constexpr, NORMAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """GEMM2 of one (row block, column tile, K slice): the E4M3 intermediate rows of the block
     (sorted order; aq [max_padded, I], as fp32 [max_padded, cdiv(I, 128)]) x the expanded w2[expert]
-    (int32 [E, H/16, I/64, 128], off int8 [E, H/16, I/64, 1024/WB]: the fragment order), times
+    (int32 [E, H/16, I/64, 128], off int8 [E, H/16, I/64, 1024/WB]: the fragment order; NORMAL: every
+    offset >= -5, the normal table), times
     w2's row factors rs fp32 [E, H]; then the skeleton's combine_by_last_arrival: x routing
     weight, the top-k sum (slot order through buf fp32 [SPLIT_K, M k, H], or ATOMIC: fp32 adds
     into buf [M, H] zeroed by the caller), x scale, cast: out [M, H]."""
@@ -222,7 +225,7 @@ def w4a8_gemm2_kernel(
     step_lo, step_hi = k_range(pid_k, I, BLOCK_K, SPLIT_K)
     for step in range(step_lo, step_hi):
         k0 = step * BLOCK_K
-        w = _expanded_weights(w_e, off_e, blocks, step * (BLOCK_K // 64), I // 64, WB, RB, BLOCK_K)
+        w = _expanded_weights(w_e, off_e, blocks, step * (BLOCK_K // 64), I // 64, WB, RB, BLOCK_K, NORMAL)
         acc = _k_step(acc, w, aq_ptr, as_ptr, offs_m, k0, I, BLOCK_K)
     acc = acc * tl.load(rs_ptr + expert * H + w_rows)[:, None]
     combine_by_last_arrival(acc, 1.0, offs_m, topk_w_ptr, topk_ids_ptr, stride_im, stride_ik,

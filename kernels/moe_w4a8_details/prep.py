@@ -15,7 +15,13 @@ default) it is re-encoded at j = -8, its codes E2M1_RNE(v x 2^(j_b + 8)) (lossy,
 `rounded` when a value changes, with a warning naming the tensor), and with "refuse" a block that
 would change raises ValueError naming the tensor. Such a block is at most 2^-15 of the row's largest
 block scale, so its rounding error stays below 2^-17 of that scale per element. All-zero blocks
-(any exponent) are exact; their offset is clipped into [-8, 6].
+(any exponent) are exact; their offset is clipped into [-5, 6].
+
+The table (W4A8Weights.table): the kernel builds each block's 8-byte E4M3 table from j_b. When
+every block that holds a nonzero code has j_b >= -5 (within 11 binades of its row's largest) the
+table is linear in j_b, two multiply-adds ("normal", e4m3_expand.E4M3_NORMAL_TABLE_PTX); one
+block at -6 .. -8 (or re-encoded at -8) makes the matrix take the 11-instruction "full" table.
+Each matrix chooses for itself; both tables give the same bytes wherever the normal one applies.
 
 NVFP4 block scales must be exact powers of two (E4M3 normals with mantissa 0, or the subnormals
 2^-9, 2^-8, 2^-7) or zero (the block is zero: its nibbles are cleared); anything else cannot be
@@ -31,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import formats
-from ..moe_details.e4m3_expand import E4M3_EXPAND_MAX_OFFSET, E4M3_EXPAND_MIN_OFFSET, expand_e2m1_to_e4m3_reference
+from ..moe_details.e4m3_expand import (E4M3_EXPAND_MAX_OFFSET, E4M3_EXPAND_MIN_OFFSET, E4M3_NORMAL_MIN_OFFSET,
+                                       expand_e2m1_to_e4m3_reference)
 
 OUT_OF_WINDOW_MODES = ("round", "refuse")
 FP32_MIN_NORMAL_EXP = -126
@@ -49,6 +56,8 @@ class W4A8Weights:
     block        32 (MXFP4) or 16 (NVFP4)
     out_of_window  blocks with a nonzero code below the window
     rounded      those of them whose values changed (0 under "refuse")
+    table        "normal" when every block with a nonzero code has offset >= -5, else "full"
+                 (module docstring: the kernel's per-block table)
     """
 
     name: str
@@ -59,6 +68,7 @@ class W4A8Weights:
     block: int
     out_of_window: int
     rounded: int
+    table: str
 
     def expand_e4m3(self) -> torch.Tensor:
         """uint8 [..., N, K]: the E4M3 bytes the kernel builds in registers (torch reference)."""
@@ -112,11 +122,16 @@ def _prepare(name: str, packed: torch.Tensor, k: torch.Tensor, block: int, scale
             warnings.warn(f"{name}: {n_rounded} of {k.numel()} E2M1 blocks lie more than 14 binades below their "
                           "row's largest; re-encoded at the bottom of the E4M3 window (lossy, < 2^-17 of the "
                           "row's largest block scale per element)", stacklevel=3)
-    offsets = torch.clamp(j, E4M3_EXPAND_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET).to(torch.int8)
+    offsets = torch.clamp(j, E4M3_EXPAND_MIN_OFFSET, E4M3_EXPAND_MAX_OFFSET)
+    # A block of zeros (also one that re-encoding emptied) is zero under any offset: keep it out of
+    # the way of the normal table.
+    holds_code = (cb & 7).amax(dim=-1) > 0 if n_out else nonzero
+    offsets = torch.where(holds_code, offsets, torch.clamp(offsets, min=E4M3_NORMAL_MIN_OFFSET)).to(torch.int8)
+    table = "normal" if offsets.numel() == 0 or int(offsets.min()) >= E4M3_NORMAL_MIN_OFFSET else "full"
     row_scale = torch.exp2(r.double())
     if scale_2 is not None:
         row_scale = row_scale * torch.as_tensor(scale_2, dtype=torch.float64, device=r.device).expand(r.shape)
-    return W4A8Weights(name, packed, offsets, r, row_scale.float(), block, n_out, n_rounded)
+    return W4A8Weights(name, packed, offsets, r, row_scale.float(), block, n_out, n_rounded, table)
 
 
 def prepare_w4a8_from_mxfp4(packed: torch.Tensor, e8m0: torch.Tensor, name: str = "weight",

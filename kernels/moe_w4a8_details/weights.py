@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..moe_details.e4m3_expand import E4M3_NORMAL_MIN_OFFSET, E4M3_TABLES
 from ..moe_details.weights import ExpertWeights, gate_up_scale_2, validate_modelopt
 from .fragment import from_fragment_order, to_fragment_order
 from .prep import W4A8Weights, prepare_w4a8_from_mxfp4, prepare_w4a8_from_nvfp4
@@ -39,6 +40,9 @@ class W4A8MoEWeights(ExpertWeights):
       block          32 (from MXFP4: one E8M0 per 32) or 16 (from power-of-two NVFP4)
       out_of_window  blocks below their row's 14-binade window, re-encoded (w13 + w2)
       rounded        those of them whose values changed (lossy; warned at preparation)
+      w13_table, w2_table  the per-block E4M3 table each GEMM's kernel builds: "normal" (two
+                     multiply-adds; every offset of the matrix >= -5) or "full" (11 instructions,
+                     any offset in [-8, 6]); chosen by the preparation (prep.py), checked here
     value = E4M3(E2M1 x 2^offset) x row_scale. H and I must be multiples of 64.
     """
 
@@ -53,7 +57,20 @@ class W4A8MoEWeights(ExpertWeights):
     block: int
     out_of_window: int = 0
     rounded: int = 0
+    w13_table: str = "full"  # "full" is exact for every offset the mode stores
+    w2_table: str = "full"
     act_quant: str = W4A8_ACT_QUANT  # the mode these weights are for (kernels/modes.py: KernelMode.takes)
+
+    def __post_init__(self):
+        # The normal table gives wrong bytes below offset -5: refuse weights that claim it wrongly
+        # (once, at load; the kernels trust the flag).
+        for name, table, offsets in (("w13", self.w13_table, self.w13_offsets), ("w2", self.w2_table, self.w2_offsets)):
+            if table not in E4M3_TABLES:
+                raise ValueError(f"{name}_table: expected one of {E4M3_TABLES}, got {table!r}")
+            if table == "normal" and offsets.numel() and int(offsets.min()) < E4M3_NORMAL_MIN_OFFSET:
+                raise ValueError(f"{name}_table = 'normal' but {name}_offsets go down to {int(offsets.min())}; "
+                                 f"the normal E4M3 table is exact only for offsets >= {E4M3_NORMAL_MIN_OFFSET} "
+                                 "(use 'full')")
 
     @classmethod
     def from_modelopt(cls, w13: torch.Tensor, w13_scale: torch.Tensor, w13_scale_2: torch.Tensor,
@@ -99,7 +116,7 @@ class W4A8MoEWeights(ExpertWeights):
         w13, o13 = to_fragment_order(p13.packed, p13.offsets, p13.block)
         w2, o2 = to_fragment_order(p2.packed, p2.offsets, p2.block)
         return cls(w13, o13, p13.row_scale.contiguous(), w2, o2, p2.row_scale.contiguous(), H, I, p13.block,
-                   p13.out_of_window + p2.out_of_window, p13.rounded + p2.rounded)
+                   p13.out_of_window + p2.out_of_window, p13.rounded + p2.rounded, p13.table, p2.table)
 
     def matrices(self) -> tuple[W4A8Weights, W4A8Weights]:
         """(w13, w2) as prep.W4A8Weights in the logical layout (nibbles uint8 [E, N, K/2], offsets int8
@@ -108,8 +125,8 @@ class W4A8MoEWeights(ExpertWeights):
         r2 = torch.zeros(self.w2_row_scale.shape, dtype=torch.int32, device=self.device)
         p13, o13 = from_fragment_order(self.w13, self.w13_offsets, self.block)
         p2, o2 = from_fragment_order(self.w2, self.w2_offsets, self.block)
-        return (W4A8Weights("w13", p13, o13, r13, self.w13_row_scale, self.block, 0, 0),
-                W4A8Weights("w2", p2, o2, r2, self.w2_row_scale, self.block, 0, 0))
+        return (W4A8Weights("w13", p13, o13, r13, self.w13_row_scale, self.block, 0, 0, self.w13_table),
+                W4A8Weights("w2", p2, o2, r2, self.w2_row_scale, self.block, 0, 0, self.w2_table))
 
     def to(self, device) -> "W4A8MoEWeights":
         return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in (

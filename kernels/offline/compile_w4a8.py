@@ -115,7 +115,7 @@ def probe_report(block_n: int = 64, block_m: int = 64, block_k: int = 128, num_w
 # PRMT PTX when compiled, its plain-Triton twin in the interpreter), so the probe measures them alone.
 @triton.jit
 def w4a8_fragment_probe_kernel(w_ptr, off_ptr, x_ptr, out_ptr, K, R: tl.constexpr, BLOCK_M: tl.constexpr,
-                               WB: tl.constexpr):
+                               WB: tl.constexpr, NORMAL: tl.constexpr = False):
     """out fp32 [16 R, BLOCK_M] = W [16 R, K] @ x [K, BLOCK_M], one program: w_ptr int32 [R, K / 64,
     128] and off_ptr int8 [R, K / 64, 1024 / WB] in the fragment order above, x E4M3 [K, BLOCK_M]
     row-major."""
@@ -123,23 +123,24 @@ def w4a8_fragment_probe_kernel(w_ptr, off_ptr, x_ptr, out_ptr, K, R: tl.constexp
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros((16 * R, BLOCK_M), dtype=tl.float32)
     for q in range(0, K // 64):
-        w = _expanded_weights(w_ptr, off_ptr, rb, q, K // 64, WB, R, 64)
+        w = _expanded_weights(w_ptr, off_ptr, rb, q, K // 64, WB, R, 64, NORMAL)
         b = tl.load(x_ptr + (q * 64 + tl.arange(0, 64))[:, None] * BLOCK_M + rm[None, :])
         acc = tl.dot(w, b, acc)
     tl.store(out_ptr + tl.arange(0, 16 * R)[:, None] * BLOCK_M + rm[None, :], acc)
 
 
 def fragment_probe_report(weight_block: int = 32, rows: int = 256, block_m: int = 16, num_warps: int = 4,
-                          num_stages: int = 3, arch: int = 90) -> dict:
+                          num_stages: int = 3, arch: int = 90, table: str = "full") -> dict:
     """Compile the fragment-order probe for sm<arch> (``rows`` weight rows x ``block_m`` tokens x 64
     K per iteration) and measure it: the E4M3 operands that go through shared memory (the ttgir's
     local_allocs of f8E4M3 tensors: the tokens always, the weights if the layouts do not line up),
-    the FP8 wgmma forms, whether A comes from registers, registers, spills and the hot loop."""
+    the FP8 wgmma forms, whether A comes from registers, registers, spills and the hot loop.
+    table: the weights' E4M3 block table, "full" or "normal" (W4A8MoEWeights.w13_table)."""
     _require_compiler()
     from . import sass
 
     args = dict(w_ptr="*i32", off_ptr="*i8", x_ptr="*fp8e4nv", out_ptr="*fp32", K=3584)
-    consts = dict(R=rows // 16, BLOCK_M=block_m, WB=weight_block)
+    consts = dict(R=rows // 16, BLOCK_M=block_m, WB=weight_block, NORMAL=_normal(table))
     c = compile_kernel(w4a8_fragment_probe_kernel, args, consts, arch, num_warps, num_stages)
     ttgir = c.asm["ttgir"]
     e4m3_allocs = sorted({m.group(1) for m in re.finditer(r"ttg\.local_alloc[^\n]*?tensor<(\d+x\d+)xf8E4M3FN", ttgir)})
@@ -151,7 +152,7 @@ def fragment_probe_report(weight_block: int = 32, rows: int = 256, block_m: int 
     name, ru, st = _function_loop(c.asm["cubin"], "fragment_probe")
     weights = rows * 64
     return {
-        "kernel": name, "weight_block": weight_block, "rows": rows, "block_m": block_m, "block_k": 64,
+        "kernel": name, "weight_block": weight_block, "table": table, "rows": rows, "block_m": block_m, "block_k": 64,
         "num_warps": num_warps, "num_stages": num_stages, "triton": triton.__version__,
         "e4m3_operands_through_shared": e4m3_allocs, "byte_tile_conversions": conversions,
         "matrix_shared_ops_in_loop": {k: v for k, v in st.opcode_mix.items() if k.startswith(("STSM", "LDSM"))},
@@ -172,11 +173,21 @@ W4A8_CONFIGS = (
 )
 
 
+def _normal(table: str) -> bool:
+    """The kernels' NORMAL constexpr of a weight table name (refused by name otherwise)."""
+    from ..moe_details.e4m3_expand import E4M3_TABLES
+
+    if table not in E4M3_TABLES:
+        raise ValueError(f"table: expected one of {E4M3_TABLES}, got {table!r}")
+    return table == "normal"
+
+
 def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int = 16, arch: int = 90,
-                      weight_block: int = 32):
+                      weight_block: int = 32, table: str = "full"):
     """Compile the e4m3 mode's GEMM1 ("gemm1": expansion, E4M3 dot, promotion, SiTU, intermediate
     quantization, split-K) or GEMM2 ("gemm2": with the top-k combine) at one W4A8Config for
-    sm<arch> with a real launch's specialisations; weight_block 32 (MXFP4) or 16 (NVFP4).
+    sm<arch> with a real launch's specialisations; weight_block 32 (MXFP4) or 16 (NVFP4); table the
+    weights' E4M3 block table ("full" or "normal", W4A8MoEWeights.w13_table / w2_table).
     Returns Triton's CompiledKernel (asm: ttgir, ptx, cubin)."""
     _require_compiler()
     from ..moe_w4a8_details import kernels as K
@@ -184,7 +195,7 @@ def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int
     common = dict(aq_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*i32", off_ptr="*i8", rs_ptr="*fp32", tickets_ptr="*i32",
                   sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k,
                   H=H, I=I)
-    consts = dict(WB=weight_block, BLOCK_M=config.block_m)
+    consts = dict(WB=weight_block, NORMAL=_normal(table), BLOCK_M=config.block_m)
     if kind == "gemm1":
         fn = K.w4a8_gemm1_kernel
         args = dict(o_ptr="*fp8e4nv", os_ptr="*fp32", part_ptr="*fp32", beta=4.0, linear_beta=25.0, **common)
@@ -200,7 +211,7 @@ def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int
 
 
 def measure_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 3072, top_k: int = 16, arch: int = 90,
-                      weight_block: int = 32, compiled=None) -> dict:
+                      weight_block: int = 32, compiled=None, table: str = "full") -> dict:
     """Compile one GEMM of the e4m3 mode at a W4A8Config (its split-K and top-k sum as given) for
     sm<arch> and measure it statically: the hot K loop's instructions per warp and iteration,
     registers, shared memory the launch requests, spills, the FP8 / bf16 wgmma in the PTX and
@@ -209,7 +220,7 @@ def measure_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 3072, top_k: in
     from . import sass
     from .compile import loop_statics
 
-    c = compiled or compile_w4a8_gemm(kind, config, H, I, top_k, arch, weight_block)
+    c = compiled or compile_w4a8_gemm(kind, config, H, I, top_k, arch, weight_block, table)
     cost, st = loop_statics(c, config.num_warps)
     rows = 2 * config.block_n1 if kind == "gemm1" else config.block_n2
     bk = config.block_k1 if kind == "gemm1" else config.block_k2

@@ -6,7 +6,7 @@ measures, with the installed Triton, and keeps the others (other releases, other
     python -P -m k3nvfp4.kernels.offline.costs --write                  # both families
     python -P -m k3nvfp4.kernels.offline.costs --family w4a16 --write   # ~25 min on 2 cores
     python -P -m k3nvfp4.kernels.offline.costs --family fp4 --write     # ~30 s on 2 cores
-    python -P -m k3nvfp4.kernels.offline.costs --family w4a8 --write    # ~4 min CPU
+    python -P -m k3nvfp4.kernels.offline.costs --family w4a8 --write    # ~8 min CPU
 
 Run it after any change to a kernel, the layout, a tile or the Triton version;
 bench/sass_report.py --check reports a table that no longer matches the compiler (bench/README.md).
@@ -28,7 +28,8 @@ the launch requests, local (spill) bytes), per family:
   atomic top-k sum as a tile of its own, each compiled with split-K 2 where K allows
   (measure_fp4_gemm: the epilogue that costs the most registers).
 - **Hopper W4A8** ("w4a8 e4m3/16", "w4a8 e4m3/32": the weights' block, from ModelOpt NVFP4 or
-  MXFP4; sm90 only): every tile of W4A8Config.candidates for I divisible by 128 and by 64 only,
+  MXFP4; each also "... normal": the weights' E4M3 table, W4A8MoEWeights.w13_table; sm90 only):
+  every tile of W4A8Config.candidates for I divisible by 128 and by 64 only,
   the atomic top-k sum as a tile of its own, each compiled with split-K 1 and 2 and the worst
   recorded field by field (compile_w4a8.measure_w4a8_gemm) at H = 3584, I = 3072.
 """
@@ -161,18 +162,18 @@ def w4a8_table_configs() -> dict[str, tuple[str, object]]:
 def _w4a8_job(job: tuple) -> tuple[str, Row]:
     from .compile_w4a8 import measure_w4a8_gemm
 
-    label, kind, cfg, weight_block = job
+    label, kind, cfg, weight_block, table = job
     # Both epilogues a tile ships with: neither is always the larger (the MXFP4 GEMM1 tile bm16
     # bn128 bk64 w4 s3 takes 176 registers at split-K 1 and 168 at split-K 2 with Triton 3.8).
     return label, _worst([measure_w4a8_gemm(kind, replace(cfg, split_k1=split, split_k2=split), 3584, 3072, 16,
-                                            W4A8_ARCH, weight_block)
+                                            W4A8_ARCH, weight_block, table=table)
                           for split in (1, 2)])
 
 
-def measure_w4a8(weight_block: int, progress: bool = True, workers: int = 1) -> dict[str, Row]:
-    """{Tile.label(): row} of the e4m3 mode on sm90 for one weight block (16 / 32), in ``workers``
-    processes."""
-    jobs = [(label, kind, cfg, weight_block) for label, (kind, cfg) in sorted(w4a8_table_configs().items())]
+def measure_w4a8(weight_block: int, progress: bool = True, workers: int = 1, table: str = "full") -> dict[str, Row]:
+    """{Tile.label(): row} of the e4m3 mode on sm90 for one weight block (16 / 32) and E4M3 table
+    ("full" / "normal"), in ``workers`` processes."""
+    jobs = [(label, kind, cfg, weight_block, table) for label, (kind, cfg) in sorted(w4a8_table_configs().items())]
     if workers > 1:
         import concurrent.futures as cf
         import multiprocessing as mp
@@ -183,7 +184,7 @@ def measure_w4a8(weight_block: int, progress: bool = True, workers: int = 1) -> 
         results = [_w4a8_job(j) for j in jobs]
     if progress:
         for label, row in results:
-            print(f"e4m3/{weight_block} {label}: {row}", file=sys.stderr, flush=True)
+            print(f"e4m3/{weight_block} {table} {label}: {row}", file=sys.stderr, flush=True)
     return dict(results)
 
 
@@ -207,7 +208,10 @@ def measure_family(family: str, archs=(90, 100), progress: bool = True, workers:
     if family == "w4a8":
         from ..moe_w4a8_details.config import W4A8Config
 
-        return {(version, W4A8_ARCH, W4A8Config.cost_mode(wb)): measure_w4a8(wb, progress, workers) for wb in (16, 32)}
+        from ..moe_details.e4m3_expand import E4M3_TABLES
+
+        return {(version, W4A8_ARCH, W4A8Config.cost_mode(wb, t)): measure_w4a8(wb, progress, workers, t)
+                for wb in (16, 32) for t in E4M3_TABLES}
     raise ValueError(f"family: expected 'w4a16', 'fp4' or 'w4a8', got {family!r}")
 
 

@@ -160,7 +160,8 @@ def build_triton_situ_e4m3(ex: NVFP4MoELayer, device: torch.device, dtype: torch
     notes = ["act_quant=e4m3: W4A8 on Hopper, E2M1 weights expanded exactly to E4M3, E4M3 activations and "
              "intermediate with an fp32 scale per token per 128 columns",
              f"{w.out_of_window} weight blocks lie more than 14 binades below their row's largest "
-             f"({w.rounded} of them changed by their re-encoding)"]
+             f"({w.rounded} of them changed by their re-encoding)",
+             f"E4M3 tables: w13 {w.w13_table}, w2 {w.w2_table}"]
     return (lambda x, tw, ids: fused_moe_nvfp4(x, w, tw, ids, **kw)), notes
 
 
