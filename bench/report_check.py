@@ -239,7 +239,10 @@ def marlin_library_findings() -> list[str]:
 
 def flashinfer_findings(statics: list[dict]) -> list[str]:
     """FlashInfer's measured tiles (flashinfer_sass.flashinfer_rows) have the shape the model
-    assumes: the tiles of TILES, pingpong, no spill, K/16 MMAs an iteration, 11 launches a call."""
+    assumes: the tiles of TILES, pingpong, K/16 MMAs an iteration, 11 launches a call. A tile that
+    spills is not a finding: FlashInfer ships it (the 64x64 and 64x128 W4A16 tiles spill 8 and 208
+    B per thread with nvcc 13.0), the model does not charge the spill, which favours the peer, and
+    the prediction's notes name it."""
     sys.path.insert(0, str(REPO / "bench"))
     from peers import flashinfer_sass as fs
 
@@ -250,7 +253,7 @@ def flashinfer_findings(statics: list[dict]) -> list[str]:
         t = r["tile"]
         name = f"flashinfer {t['M']}x{t['N']}x{t['K']}"
         checks = [(r["kernel"] == fs.KERNEL and t["schedule"] == "pingpong", "kernel / schedule"),
-                  (r["registers"] > 0 and r["local_bytes"] == 0, "registers / spills"),
+                  (r["registers"] > 0 and r["local_bytes"] >= 0, "registers"),
                   (r["mma_per_iteration"] == t["K"] // 16 > 0, "MMAs per iteration"),
                   (r["weights_per_iteration"] == t["M"] * t["K"], "weights per iteration"),
                   (0.05 < r["warp_instr_per_weight"] < 0.3, "warp-instructions per weight"),
@@ -270,8 +273,9 @@ def flashinfer_findings(statics: list[dict]) -> list[str]:
 def flashinfer_w4a8_findings(statics: list[dict]) -> list[str]:
     """FlashInfer's measured W4A8 kernels (flashinfer_sass.flashinfer_w4a8_rows) have the shape
     flashinfer_model.flashinfer_w4a8_call assumes: the kernels of W4A8_VARIANTS, FP8 QGMMA with
-    the weights from registers, (M / 64) x (K / 32) MMAs per warp an iteration, no spill, known
-    shared memory that fits an SM, 11 launches a call, 0.53125 B per weight."""
+    the weights from registers, (M / 64) x (K / 32) MMAs per warp an iteration, known shared
+    memory that fits an SM, 11 launches a call, 0.53125 B per weight. A spill is not a finding
+    (flashinfer_findings: the model leaves it uncharged, in the peer's favour)."""
     sys.path.insert(0, str(REPO / "bench"))
     from peers import flashinfer_sass as fs
 
@@ -282,9 +286,9 @@ def flashinfer_w4a8_findings(statics: list[dict]) -> list[str]:
     for r in statics:
         t = r["tile"]
         name = f"flashinfer w4a8 {t['M']}x{t['N']}x{t['K']} {r['kernel_type']}"
-        single = r["kernel_type"] != "warp_specialized"
+        single = fs.is_single_warpgroup(r["kernel_type"])
         checks = [(t["mma_atom"] == f"MMA_64x{t['N']}x32_F32E4M3E4M3_RS", "FP8 MMA atom, A from registers"),
-                  (r["registers"] > 0 and r["local_bytes"] == 0, "registers / spills"),
+                  (r["registers"] > 0 and r["local_bytes"] >= 0, "registers"),
                   (r["mma_per_iteration"] == (t["M"] // 64) * (t["K"] // 32) > 0, "MMAs per iteration"),
                   (r["weights_per_iteration"] == t["M"] * t["K"], "weights per iteration"),
                   (0.03 < r["warp_instr_per_weight"] < 0.3, "warp-instructions per weight"),

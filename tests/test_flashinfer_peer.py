@@ -146,8 +146,16 @@ def test_generated_unit_names_the_launcher():
         assert " ".join(args.split()).endswith(f"MixedInputScaleMode::kPreMmaE8M0, "
                                                f"tensorrt_llm::cutlass_extensions::MainloopScheduleType::{regime}")
         assert "GroupedGemmInput<__nv_fp8_e4m3, SafeFP4, __nv_bfloat16, __nv_bfloat16>inputs" in text
+    # The cooperative 128-row tiles: the warp-specialized launcher on the cooperative schedule.
+    text = fs.translation_unit(gen, (128, 128, 128), "e4m3", "cooperative")
+    (name, args), = re.findall(r"template void (\w+)<(.*?)> \(", text, re.S)
+    assert name == "sm90_generic_mixed_moe_gemm_kernelLauncher"
+    assert "cutlass::gemm::KernelTmaWarpSpecializedCooperative, " in " ".join(args.split())
+    assert "(cooperative)" in text.splitlines()[1]
     with pytest.raises(RuntimeError, match="0 bf16 x e2m1 pingpong operations"):
         fs.translation_unit(gen, (64, 24, 128))
+    with pytest.raises(RuntimeError, match="0 e4m3 x e2m1 cooperative operations"):
+        fs.translation_unit(gen, (64, 64, 128), "e4m3", "cooperative")  # 64-row tiles are pingpong only
 
 
 FUSED_MOE_PY = '''
@@ -261,6 +269,25 @@ def test_measure_on_handwritten_sass():
         fs.measure(sass.parse_sass(_sass(expect_tx=2))["k"], (64, 16, 128), (64, 16, 16))
     with pytest.raises(RuntimeError, match="is not one warpgroup MMA"):
         fs.measure(instrs, (64, 16, 128), (64, 8, 16))
+
+
+def test_measure_a_cooperative_tile_on_handwritten_sass():
+    """The cooperative schedule (both consumer warpgroups on one 128-row tile, 64 rows each): the
+    same per-warp loop counts twice over the tile's 128 x K weights, and the tile's MMAs are both
+    warpgroups'; a 64-row atom is not two warpgroups of a 256-row tile."""
+    from k3nvfp4.kernels.offline import sass
+
+    instrs = sass.parse_sass(_sass())["k"]
+    m = fs.measure(instrs, (128, 16, 128), (64, 16, 16), cooperative=True)
+    n_consumer, n_producer = 1 + 8 * 3 + 5 + 32 + 1, 6
+    assert m["weights"] == 128 * 128 and m["real_hgmma"] == 2 * 8
+    assert m["per_weight"] == pytest.approx((2 * 4 * n_consumer + n_producer) / (128 * 128))
+    assert m["consumer_per_weight"] == pytest.approx(4 * n_consumer / (64 * 128))
+    assert "both consumer warpgroups" in m["mapping"]
+    with pytest.raises(RuntimeError, match="is not two warpgroup MMAs"):
+        fs.measure(instrs, (256, 16, 128), (64, 16, 16), cooperative=True)
+    with pytest.raises(RuntimeError, match="is not one warpgroup MMA"):
+        fs.measure(instrs, (128, 16, 128), (64, 16, 16))
 
 
 def test_missing_inputs_raise_with_reason(monkeypatch):

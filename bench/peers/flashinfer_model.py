@@ -12,8 +12,8 @@ passes, on a persistent grid (one ~205 KiB CTA per SM). Bytes: nibbles + one E8M
 per weight). The nine small kernels are charged a launch, an HBM latency and their bytes.
 
 Not modelled: the pingpong overlap of two consumer warpgroups (counted as one program per tile),
-the 128- and 256-row cooperative tiles (not measured), the first and last K tile outside the
-SASS loop.
+the W4A16 peer's 128- and 256-row cooperative tiles (not measured), the first and last K tile
+outside the SASS loop.
 
 The W4A8 path runs the same 11 launches (runMoe takes the same branches): the permute also
 quantizes each expanded row to E4M3 with one fp32 scale per row, the activation writes the
@@ -21,8 +21,9 @@ intermediate in E4M3 the same way, and both grouped GEMMs run FP8 wgmma
 (``QGMMA...E4M3.E4M3``) at the device's dense FP8 rate. Its tactic is taken per GEMM as the
 fastest the model predicts among the measured kernels the binding admits for that GEMM's K
 (flashinfer_sass.W4A8_VARIANTS: pingpong tiles of 16, 64 and 128 tokens, Humming's
-single-warpgroup kernels): what an autotuner that profiles every candidate would find at best,
-so the comparison favours the peer. Its 128- and 256-row cooperative tiles are not measured.
+single-warpgroup kernels, the cooperative 128-row tiles of 64 and 128 tokens, whose CTA runs one
+tile with both consumer warpgroups): what an autotuner that profiles every candidate would find at
+best, so the comparison favours the peer. Its 256-row tiles are not measured.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _gemm(device: pm.Device, statics: dict[str, Any], shard: pm.Shard, gemm: str
     other = (M * H * x + tokens * 2 * I * 2) if gemm == "gemm1" else (tokens * I * x + tokens * H * 2)
     return pm.predict_kernel(
         device, name=f"flashinfer {gemm}", config=f"{tile['M']}x{tile['N']}x{tile['K']} {tile['schedule']}"
-        + ("" if statics.get("kernel_type", "warp_specialized") == "warp_specialized" else f" {statics['kernel_type']}"),
+        + ("" if statics.get("kernel_type", "warp_specialized") in ("warp_specialized", "cooperative")
+           else f" {statics['kernel_type']}"),
         cost=cost, programs_launched=device.sms, programs_active=tiles, iterations_per_program=passes,
         iterations_total=tiles * passes, weights_per_iteration=tile["M"] * tile["K"], useful_weights=useful,
         useful_passes=routing.blocks * rows * K, weight_bytes=useful * bpw, other_bytes=other,

@@ -122,8 +122,10 @@ HGMMA_K = 16  # K of one wgmma (BF16)
 # E2M1 weights and their E8M0 scale turned into E4M3 before a QGMMA.64xNx32.E4M3.E4M3).
 ACTS = ("bf16", "e4m3")
 
-# Warps per CTA and which of them run per-k-tile work (one tile in flight per consumer warpgroup).
+# Warps per CTA and which of them run per-k-tile work (pingpong: one tile in flight per consumer
+# warpgroup; cooperative: both consumer warpgroups on one tile, 64 of its rows each).
 CTA_WARPS = 12
+WARP_SPECIALIZED = ("warp_specialized", "cooperative")
 CONSUMER_WARPS = 4  # one consumer warpgroup runs the whole K loop of a tile
 PRODUCER_WARPS = 1  # producer warpgroup warp 0 (ProducerWarpRole::Mainloop) issues the TMA loads
 
@@ -352,20 +354,32 @@ def load_generator(package_dir: pathlib.Path) -> types.ModuleType:
     return mod
 
 
+def is_single_warpgroup(kernel_type: str) -> bool:
+    """Humming's single-warpgroup kernels (one warpgroup loads and multiplies) against CUTLASS's
+    warp-specialized ones (a producer warpgroup and two consumer warpgroups: "warp_specialized",
+    the pingpong schedule, or "cooperative")."""
+    return kernel_type not in WARP_SPECIALIZED
+
+
 def operation(gen: types.ModuleType, tile: tuple[int, int, int], act: str = "bf16",
               kernel_type: str = "warp_specialized") -> Any:
     """The ``act`` (ACTS: bf16 or e4m3) x MXFP4 (ue8m0 scales, bf16 out) sm90 mixed grouped-GEMM
     operation of this tile from FlashInfer's own list (generate_sm90_mixed_type_grouped_gemm_operations).
-    kernel_type: "warp_specialized" (the pingpong kernel), or for e4m3 one of SINGLE_WARPGROUP."""
+    kernel_type: "warp_specialized" (the pingpong kernel), "cooperative" (the warp-specialized
+    kernel on the cooperative schedule: both consumer warpgroups on one 128-row tile, what the
+    binding runs for 128- and 256-row tiles), or for e4m3 one of SINGLE_WARPGROUP."""
     if act not in ACTS:
         raise ValueError(f"act {act!r}: expected one of {', '.join(ACTS)}")
     dt = gen.DataType
     want = (getattr(dt, act), gen.e2m1, dt.ue8m0, dt.bf16, dt.bf16)
+    schedule = (gen.KernelScheduleType.TmaWarpSpecializedCooperative if kernel_type == "cooperative"
+                else gen.KernelScheduleType.TmaWarpSpecializedPingpong)
+    generated = "warp_specialized" if kernel_type == "cooperative" else kernel_type
     ops = [op for op in gen.generate_sm90_mixed_type_grouped_gemm_operations(True)
            if (op.act_type, op.weight_type, op.scalezero_type, op.bias_type, op.output_type) == want
            and tuple(op.cta_shape) == tile and tuple(op.cga_shape) == CLUSTER
-           and op.mainloop_schedule == gen.KernelScheduleType.TmaWarpSpecializedPingpong
-           and getattr(op, "sm90_mixed_input_kernel_type", "warp_specialized") == kernel_type]
+           and op.mainloop_schedule == schedule
+           and getattr(op, "sm90_mixed_input_kernel_type", "warp_specialized") == generated]
     if len(ops) != 1:
         what = "pingpong" if kernel_type == "warp_specialized" else kernel_type
         raise RuntimeError(f"FlashInfer's generator has {len(ops)} {act} x e2m1 {what} operations for tile {tile}")
@@ -542,23 +556,29 @@ def setmaxnreg(instrs: list[Instr]) -> dict[str, int]:
 
 
 def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int, int, int],
-            act: str = "bf16") -> dict[str, Any]:
+            act: str = "bf16", cooperative: bool = False) -> dict[str, Any]:
     """Consumer and producer k-tile loops, their counts per weight, and the checked mapping
-    (act: ACTS; what the loop converts differs, the structure is the same)."""
+    (act: ACTS; what the loop converts differs, the structure is the same). cooperative: both
+    consumer warpgroups share the tile, each one MMA atom's rows of it (the cooperative schedule),
+    instead of one warpgroup per tile (pingpong)."""
     from k3nvfp4.kernels.offline import sass
 
     m_tile, n_tile, k_tile = tile
     am, an, ak = atom_mnk
-    if am != m_tile or an != n_tile:
-        raise RuntimeError(f"MMA atom {atom_mnk} is not one warpgroup MMA per {m_tile}x{n_tile} tile")
+    wgs = m_tile // am if cooperative else 1  # consumer warpgroups on one tile
+    if am * wgs != m_tile or an != n_tile or (cooperative and wgs != 2):
+        raise RuntimeError(f"MMA atom {atom_mnk} is not {'two warpgroup MMAs' if cooperative else 'one warpgroup MMA'} "
+                           f"per {m_tile}x{n_tile} tile")
     exp = k_tile // ak
     loop = consumer_loop(instrs, exp)
     st = sass.loop_stats(loop)
     real = sum(is_real_hgmma(i) for i in loop.instrs)
     placeholders = st.mma - real
     weights = m_tile * k_tile
-    if real * am * ak != weights:
-        raise RuntimeError(f"{real} HGMMA x {am}x{ak} weights do not cover the {weights} weights of a k-tile")
+    wg_weights = am * k_tile  # one consumer warpgroup's share of a k-tile
+    if real * am * ak != wg_weights:
+        raise RuntimeError(f"{real} HGMMA x {am}x{ak} weights do not cover the {wg_weights} weights of a "
+                           "consumer warpgroup's k-tile")
     ploop = producer_loop(instrs)
     pst = sass.loop_stats(ploop)
     expect_tx = sum(i.opcode.startswith("SYNCS.ARRIVE.TRANS64") and ".RED" not in i.opcode for i in ploop.instrs)
@@ -571,33 +591,36 @@ def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int
     lds_u8 = st.opcode_mix.get("LDS.U8", 0)
     mma = "QGMMA" if act == "e4m3" else "HGMMA"
     groups = k_tile // MXFP4_GROUP_SIZE
-    acc_per_thread = m_tile * n_tile // 128
-    consumer_wipw = sass.warp_instr_per_weight(st.instructions, CONSUMER_WARPS, weights)
-    total = (CONSUMER_WARPS * st.instructions + PRODUCER_WARPS * pst.instructions) / weights
+    acc_per_thread = am * n_tile // 128
+    consumer_wipw = sass.warp_instr_per_weight(st.instructions, CONSUMER_WARPS, wg_weights)
+    total = (wgs * CONSUMER_WARPS * st.instructions + PRODUCER_WARPS * pst.instructions) / weights
+    who = (f"the {wgs} x {CONSUMER_WARPS} warps of both consumer warpgroups, {am} rows each (cooperative)"
+           if cooperative else f"the {CONSUMER_WARPS} warps of one consumer warpgroup")
     enclosing = sum(1 for lp in sass.loops(instrs) if lp.start <= loop.start and lp.end >= loop.end and lp != loop)
     mapping = (
         f"one pass of the consumer SASS loop [{loop.start:#x}, {loop.end:#x}] (the mainloop's "
         f"CUTLASS_PRAGMA_NO_UNROLL k-tile loop; first and last k-tile are peeled outside it; inside "
         f"{enclosing} larger loop(s): tile and persistent-scheduler loops) = one k-tile of {k_tile} (K) x "
         f"{m_tile} (M, weight rows; swap_ab) FP4 weights of one expert against {n_tile} tokens = {weights} "
-        f"weights, run by the {CONSUMER_WARPS} warps of one consumer warpgroup; checked: {real} "
+        f"weights, run by {who}; checked: {real} "
         f"{mma}.{am}x{an}x{ak} per warp (expected K/{ak} = {exp}) x {am}x{ak} weights per warpgroup {mma} = "
-        f"{weights}; plus {placeholders} no-op HGMMA.64x8x16 RZ commit placeholders (counted as "
-        f"instructions only). Per pass per thread: "
+        f"{wg_weights} per warpgroup; plus {placeholders} no-op HGMMA.64x8x16 RZ commit placeholders (counted "
+        f"as instructions only). Per pass per thread: "
         + (f"{ffma} FFMA applying the E8M0 scales to the fp32 "
            f"accumulator ({groups} groups of {MXFP4_GROUP_SIZE} x {acc_per_thread} accumulators = "
            f"{groups * acc_per_thread}) and {hmul2} HMUL2.BF16 (x2^126 after the E2M1 bit shuffle, 2 weights "
-           f"each: {m_tile * k_tile // 128} weights per thread)" if act == "bf16" else
+           f"each: {wg_weights // 128} weights per thread)" if act == "bf16" else
            f"{prmt} PRMT and {lds_u8} LDS.U8 (the E2M1 nibbles become E4M3 bytes with the E8M0 scale folded in "
            f"before the MMA, through byte tables in shared memory: the pre-MMA E8M0 scale mode; "
-           f"{m_tile * k_tile // 128} weights per thread) and {ffma} FFMA (no scale on the accumulator)")
+           f"{wg_weights // 128} weights per thread) and {ffma} FFMA (no scale on the accumulator)")
         + f". The producer warp's loop [{ploop.start:#x}, "
         f"{ploop.end:#x}] ({pst.instructions} instructions: {waits} empty-barrier wait, 1 expect-tx arrive, "
-        f"{tma}) loads one pipeline stage = the same k-tile. warp_instr_per_weight = ({CONSUMER_WARPS} x "
-        f"{st.instructions} + {PRODUCER_WARPS} x {pst.instructions}) / {weights}; the other 7 warps of the "
-        f"CTA (the second consumer warpgroup works on another tile in the same way; producer warps 1-3 "
-        f"have no per-k-tile work) are not counted")
-    return {"loop": loop, "stats": st, "real_hgmma": real, "placeholders": placeholders, "weights": weights,
+        f"{tma}) loads one pipeline stage = the same k-tile. warp_instr_per_weight = ({wgs * CONSUMER_WARPS} x "
+        f"{st.instructions} + {PRODUCER_WARPS} x {pst.instructions}) / {weights}; "
+        + ("producer warps 1-3 have no per-k-tile work" if cooperative else
+           "the other 7 warps of the CTA (the second consumer warpgroup works on another tile in the same way; "
+           "producer warps 1-3 have no per-k-tile work) are not counted"))
+    return {"loop": loop, "stats": st, "real_hgmma": wgs * real, "placeholders": placeholders, "weights": weights,
             "producer_loop": ploop, "producer_stats": pst, "consumer_per_weight": consumer_wipw,
             "per_weight": total, "mapping": mapping, "scale_ffma": ffma, "convert_hmul2": hmul2,
             "convert_prmt": prmt, "table_lds_u8": lds_u8}
@@ -734,15 +757,17 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
 
 
 # The W4A8 peer's kernels measured: the W4A16 peer's two pingpong decode tiles, pingpong tiles of 64
-# and 128 tokens (the largest token tiles FlashInfer instantiates with 64 weight rows, what its
-# autotuner can take at prefill), and Humming's own single-warpgroup kernels (128 weight rows x 16
-# tokens x 128 K; the binding admits them for Humming only: PREFILL where K <= 384, ROLLING above).
-# Not built: the 128- and 256-row cooperative tiles (two consumer warpgroups on one tile; measure()
-# reads one warpgroup MMA per tile).
+# and 128 tokens (the largest token tiles FlashInfer instantiates with 64 weight rows), Humming's own
+# single-warpgroup kernels (128 weight rows x 16 tokens x 128 K; the binding admits them for Humming
+# only: PREFILL where K <= 384, ROLLING above), and the cooperative 128-row tiles of 64 and 128
+# tokens (the binding's tactic list runs 128- and 256-row tiles on the cooperative schedule, both
+# consumer warpgroups on one tile: what its autotuner can take at prefill besides the pingpong ones).
+# Not built: the 256-row and 256-token tiles, and the 256 / 512-K variants.
 W4A8_VARIANTS: tuple[tuple[str, tuple[int, int, int]], ...] = (
     ("warp_specialized", (64, 16, 128)), ("warp_specialized", (64, 16, 256)),
     ("warp_specialized", (64, 64, 128)), ("warp_specialized", (64, 128, 128)),
-    ("single_warpgroup_rolling", (128, 16, 128)), ("single_warpgroup_prefill", (128, 16, 128)))
+    ("single_warpgroup_rolling", (128, 16, 128)), ("single_warpgroup_prefill", (128, 16, 128)),
+    ("cooperative", (128, 64, 128)), ("cooperative", (128, 128, 128)))
 # Warps per CTA of Humming's single-warpgroup kernels (no producer warpgroup).
 SINGLE_WARPGROUP_WARPS = 4
 # Where the binding admits each single-warpgroup kernel: the GEMM's K (PREFILL: K <= 384, ROLLING: above).
@@ -798,20 +823,22 @@ def flashinfer_w4a8_rows(build_dir: str | os.PathLike = "build/peers/flashinfer"
         fn, instrs, info = hits[0]
         if info["scale_mode"] != "pre_mma" or not info["mma_atom"].endswith("E4M3E4M3_RS"):
             raise RuntimeError(f"tile {tile}: {info['mma_atom']} ({info['scale_mode']}) is not the FP8 pre-MMA kernel")
-        single = kernel_type != "warp_specialized"
+        single = is_single_warpgroup(kernel_type)
         if (info["structure"] == "single_warpgroup") != single:
             raise RuntimeError(f"tile {tile}: a {info['structure']} kernel where {kernel_type} was built")
+        if not single and info["schedule"] != ("cooperative" if kernel_type == "cooperative" else SCHEDULE):
+            raise RuntimeError(f"tile {tile}: a {info['schedule']} kernel where {kernel_type} was built")
         found[(kernel_type, tile)] = (fn, instrs, info, usage[fn], b,
                                       SINGLE_WARPGROUP_WARPS if single else CTA_WARPS)
     dynamic, notes, _ = _dynamic_shared({v: (f[0], names[v], f[5]) for v, f in found.items()}, src, nvcc, out)
     rows = []
     for (kernel_type, tile), (fn, instrs, info, use, b, warps) in found.items():
-        single = kernel_type != "warp_specialized"
+        single = is_single_warpgroup(kernel_type)
         if single:
             m = measure_single_warpgroup(instrs, tile, info["atom_mnk"])
             st, pst = m["stats"], None
         else:
-            m = measure(instrs, tile, info["atom_mnk"], act="e4m3")
+            m = measure(instrs, tile, info["atom_mnk"], act="e4m3", cooperative=kernel_type == "cooperative")
             st, pst = m["stats"], m["producer_stats"]
         dyn = dynamic.get((kernel_type, tile))
         rows.append({
