@@ -50,8 +50,10 @@ On a Hopper GPU (sm90) each point also times the W4A8 mode (act_quant_e4m3: weig
 E4M3, FP8 activations, FP8 wgmma; docs/w4a8.md) on the same random MXFP4 experts, checked first
 against fused_moe_w4a8_reference (the same quantization in plain torch, itself tested against the
 float64 oracle tests/w4a8_oracle.py), with x_vs_w4a16 = W4A16 time / e4m3 time and x_vs_marlin =
-marlin time / e4m3 time in the same run. Shapes whose H or I is not a multiple of 64 (the tiny
-CPU shapes) record why it did not run.
+marlin time / e4m3 time in the same run; at each shape's first point the weights' normal E4M3
+table is also checked bit for bit against the full one (tables_agree: the bench's random weights
+take the normal table, so this is where the full table's PTX runs on the GPU). Shapes whose H or I
+is not a multiple of 64 (the tiny CPU shapes) record why it did not run.
 """
 
 from __future__ import annotations
@@ -367,9 +369,26 @@ def e4m3_mode_arm(torch, shape, device, seed: int):
     return MODES["e4m3"].prepare(mxfp4_bench_weights(torch, shape, device, seed)), None
 
 
-def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph: bool) -> dict:
+def e4m3_tables_agree(torch, weights, x, tw, ids) -> bool | None:
+    """Whether the weights' normal E4M3 table and the full one give the same output bit for bit (the
+    same config, the top-k sum in slot order): the normal table's two-instruction PTX checked on the
+    GPU against the 11-instruction one, which the bench's weights would otherwise never run. None
+    where neither GEMM's weights chose the normal table (nothing to compare)."""
+    from k3nvfp4.kernels.moe_w4a8 import run_w4a8
+
+    if "normal" not in (weights.w13_table, weights.w2_table):
+        return None
+    cfg = run_w4a8(x, weights, tw, ids).config
+    normal = run_w4a8(x, weights, tw, ids, config=cfg, deterministic=True).out
+    full = dataclasses.replace(weights, w13_table="full", w2_table="full")  # exact for every offset
+    return bool(torch.equal(normal, run_w4a8(x, full, tw, ids, config=cfg, deterministic=True).out))
+
+
+def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph: bool,
+                   check_tables: bool = False) -> dict:
     """One e4m3 point: checked against fused_moe_w4a8_reference (normwise <= 1e-2) before timing;
-    "tables": the E4M3 table each GEMM's weights chose (W4A8MoEWeights.w13_table, w2_table)."""
+    "tables": the E4M3 table each GEMM's weights chose (W4A8MoEWeights.w13_table, w2_table);
+    check_tables: also :func:`e4m3_tables_agree` ("tables_agree"; a disagreement is an error)."""
     from k3nvfp4.kernels.moe_w4a8_reference import fused_moe_w4a8_reference
     from k3nvfp4.kernels.tune import normwise_error
 
@@ -379,9 +398,14 @@ def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph:
     err = normwise_error(out, fused_moe_w4a8_reference(x, weights, tw, ids).float())
     if not err <= 1e-2:
         return {"error": f"output differs from fused_moe_w4a8_reference: normwise {err:.3g} > 1e-2 (not timed)"}
+    agree = e4m3_tables_agree(torch, weights, x, tw, ids) if check_tables else None
+    if agree is False:
+        return {"error": "the normal and the full E4M3 table give different outputs (same config, slot-order sum; "
+                         "not timed)"}
     t, n, t_eager, mode, why = time_call(torch, run, out, timer, use_graph=not no_graph, what="act_quant=e4m3")
     return {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "normwise_vs_reference": err,
-            "tables": [weights.w13_table, weights.w2_table], **({"graph_failure": why} if why else {})}
+            "tables": [weights.w13_table, weights.w2_table], **({"tables_agree": agree} if check_tables else {}),
+            **({"graph_failure": why} if why else {})}
 
 
 FLASHINFER_TOL = 2e-2  # SM90 W4A16: bf16, normwise, as marlin's (FlashInfer also rounds the GEMM1 output to bf16)
@@ -471,7 +495,8 @@ def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, t
         return {"error": f"output differs from fused_moe_fp4_reference: normwise {err:.3g} > 1e-2 (not timed)"}
     t, n, t_eager, mode, why = time_call(torch, run, out, timer, use_graph=not no_graph, what=f"act_quant={act_quant}")
     return {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "normwise_vs_reference": err,
-            "tables": [weights.w13_table, weights.w2_table], **({"graph_failure": why} if why else {})}
+            "tables": [weights.w13_table, weights.w2_table], **({"tables_agree": agree} if check_tables else {}),
+            **({"graph_failure": why} if why else {})}
 
 
 def time_marlin(torch, marlin, x, tw, ids, shape, M: int, timer, nbytes: int, no_graph: bool) -> dict:
@@ -779,7 +804,9 @@ def main(argv=None) -> int:
                     point["act_quant_e4m3"] = e4m3_skip
                 else:
                     try:
-                        r = time_e4m3_mode(torch, fused_moe_nvfp4, e4m3_weights, x, tw, ids, timer, args.no_graph)
+                        # the tables compared once per shape, at its first point
+                        r = time_e4m3_mode(torch, fused_moe_nvfp4, e4m3_weights, x, tw, ids, timer, args.no_graph,
+                                           check_tables=M == m_list[0])
                     except Exception as e:  # reported per point
                         r = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
                     if "error" in r:

@@ -155,7 +155,10 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
                      and "time_us" in e4 else None,
                      "e4m3_error": e4.get("error") if isinstance(e4, dict) else e4,
                      "w4a16_over_e4m3": fig(e4.get("x_vs_w4a16"), 2) if isinstance(e4, dict) else None,
-                     "marlin_over_e4m3": fig(e4.get("x_vs_marlin"), 2) if isinstance(e4, dict) else None})
+                     "marlin_over_e4m3": fig(e4.get("x_vs_marlin"), 2) if isinstance(e4, dict) else None,
+                     # the E4M3 tables its weights took, and the normal one against the full one (first M)
+                     "e4m3_tables": e4.get("tables") if isinstance(e4, dict) else None,
+                     "e4m3_tables_agree": e4.get("tables_agree") if isinstance(e4, dict) else None})
 gp = os.path.join(out, "graph.json")
 if os.path.exists(gp):
     g = json.load(open(gp))
