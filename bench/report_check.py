@@ -239,7 +239,8 @@ def marlin_library_findings() -> list[str]:
 
 def flashinfer_findings(statics: list[dict]) -> list[str]:
     """FlashInfer's measured tiles (flashinfer_sass.flashinfer_rows) have the shape the model
-    assumes: the tiles of TILES, pingpong, K/16 MMAs an iteration, 11 launches a call. A tile that
+    assumes: the tiles of TILES (pingpong) and COOPERATIVE_TILES, (M / 64) x (K / 16) MMAs an
+    iteration, 11 launches a call. A tile that
     spills is not a finding: FlashInfer ships it (the 64x64 and 64x128 W4A16 tiles spill 8 and 208
     B per thread with nvcc 13.0), the model does not charge the spill, which favours the peer, and
     the prediction's notes name it."""
@@ -247,14 +248,17 @@ def flashinfer_findings(statics: list[dict]) -> list[str]:
     from peers import flashinfer_sass as fs
 
     out = []
-    if [(r["tile"]["M"], r["tile"]["N"], r["tile"]["K"]) for r in statics] != list(fs.TILES):
-        out.append(f"flashinfer: tiles {[r['tile'] for r in statics]} != TILES {list(fs.TILES)}")
+    tiles = list(fs.TILES + fs.COOPERATIVE_TILES)
+    if [(r["tile"]["M"], r["tile"]["N"], r["tile"]["K"]) for r in statics] != tiles:
+        out.append(f"flashinfer: tiles {[r['tile'] for r in statics]} != TILES + COOPERATIVE_TILES {tiles}")
     for r in statics:
         t = r["tile"]
         name = f"flashinfer {t['M']}x{t['N']}x{t['K']}"
-        checks = [(r["kernel"] == fs.KERNEL and t["schedule"] == "pingpong", "kernel / schedule"),
+        cooperative = (t["M"], t["N"], t["K"]) in fs.COOPERATIVE_TILES
+        checks = [(r["kernel"] == fs.KERNEL and t["schedule"] == ("cooperative" if cooperative else "pingpong"),
+                   "kernel / schedule"),
                   (r["registers"] > 0 and r["local_bytes"] >= 0, "registers"),
-                  (r["mma_per_iteration"] == t["K"] // 16 > 0, "MMAs per iteration"),
+                  (r["mma_per_iteration"] == (t["M"] // 64) * (t["K"] // 16) > 0, "MMAs per iteration"),
                   (r["weights_per_iteration"] == t["M"] * t["K"], "weights per iteration"),
                   (0.05 < r["warp_instr_per_weight"] < 0.3, "warp-instructions per weight"),
                   (r["consumer_warp_instr_per_weight"] < r["warp_instr_per_weight"], "consumer share"),

@@ -178,3 +178,19 @@ def test_dequant_opcode_detectors_fire(committed, opcode, change, expected):
         k["opcode_mix"][opcode] = k["opcode_mix"].get(opcode, 0) + change
     found = rc.opcode_findings(rows)
     assert len(found) == 1 and "H200 nvfp4 tp16 M=1" in found[0] and expected in found[0], found
+
+
+def test_flashinfer_statics_against_the_model_shape(committed):
+    """report_check.flashinfer_findings on the committed W4A16 peer rows: the pingpong TILES and
+    the COOPERATIVE_TILES pass (the 64x64 / 64x128 tiles' spills included: uncharged, in the peer's
+    favour); a cooperative tile measured as pingpong, or counted with one warpgroup's MMAs, is named."""
+    rc = _report_check()
+    statics = committed["flashinfer"]["statics"]
+    assert [r["kernel_type"] for r in statics] == ["warp_specialized"] * 4 + ["cooperative"] * 2
+    assert any(r["local_bytes"] for r in statics)
+    assert rc.flashinfer_findings(statics) == []
+    moved = copy.deepcopy(statics)
+    moved[4]["tile"]["schedule"] = "pingpong"
+    moved[5]["mma_per_iteration"] //= 2
+    found = rc.flashinfer_findings(moved)
+    assert found == ["flashinfer 128x64x128: kernel / schedule", "flashinfer 128x128x128: MMAs per iteration"], found

@@ -106,10 +106,13 @@ KERNEL = "flashinfer_cutlass_w4a16_moe"
 # default tactic) and the 64-row pingpong tiles of 64 and 128 tokens, the largest token tiles
 # FlashInfer instantiates with 64 weight rows (what its autotuner can take at prefill). Each
 # translation unit builds in 80-120 s with nvcc 13.0 (two in parallel on 2 cores, ~5 GB of memory
-# each), plus a ~25 s SharedStorageSize probe each; 64x16x512 is left out. Not built: the 128- and
-# 256-row cooperative tiles (two consumer warpgroups on one tile; measure() reads one per tile).
+# each), plus a ~25 s SharedStorageSize probe each; 64x16x512 is left out, and so are the 256-row
+# tiles (COOPERATIVE_TILES below are the 128-row ones).
 TILES: tuple[tuple[int, int, int], ...] = ((64, 16, 128), (64, 16, 256), (64, 64, 128), (64, 128, 128))
 SCHEDULE = "pingpong"  # FlashInfer instantiates only pingpong for tile M < 128
+# The 128-row tiles of 64 and 128 tokens, built too: the binding runs 128- and 256-row tiles on the
+# cooperative schedule (both consumer warpgroups on one tile, 64 rows each; measure(cooperative=True)).
+COOPERATIVE_TILES: tuple[tuple[int, int, int], ...] = ((128, 64, 128), (128, 128, 128))
 CLUSTER = (1, 1, 1)
 
 MXFP4_GROUP_SIZE = 32
@@ -672,7 +675,8 @@ def _dynamic_shared(kernels: dict[Any, tuple[str, str, int]], src: Sources, nvcc
 
 
 def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/flashinfer") -> list[dict[str, Any]]:
-    """One row per tile of TILES, measured on the SASS of FlashInfer's own launcher instantiation.
+    """One row per tile of TILES (pingpong) and COOPERATIVE_TILES, measured on the SASS of
+    FlashInfer's own launcher instantiation.
 
     Raises RuntimeError naming what is missing (FlashInfer's sources, nvcc, Triton's cuobjdump) or
     what failed; the caller reports "not available: <reason>"."""
@@ -682,11 +686,13 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
 
     nvcc, src, gen, out = _toolchain(build_dir)
 
-    names = {tile: f"flashinfer_w4a16_{_label(tile)}" for tile in TILES}
-    builds = build_all(src, nvcc, {names[t]: translation_unit(gen, t) for t in TILES}, out)
+    tiles = TILES + COOPERATIVE_TILES
+    kind = {t: "cooperative" if t in COOPERATIVE_TILES else "warp_specialized" for t in tiles}
+    names = {t: f"flashinfer_w4a16_{_label(t)}" + ("_cooperative" if t in COOPERATIVE_TILES else "") for t in tiles}
+    builds = build_all(src, nvcc, {names[t]: translation_unit(gen, t, "bf16", kind[t]) for t in tiles}, out)
 
     found: dict[tuple[int, int, int], dict[str, Any]] = {}
-    for tile in TILES:
+    for tile in tiles:
         b = builds[names[tile]]
         assert isinstance(b, Build)
         usage = sass.resource_usage(b.cubin)
@@ -696,20 +702,24 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
                 found[tile] = {"function": fn, "instrs": instrs, "usage": usage[fn], "build": b, "info": info}
         if tile not in found:
             raise RuntimeError(f"no mixed-input device_kernel for tile {tile} in {b.path}")
+        want = "cooperative" if kind[tile] == "cooperative" else SCHEDULE
+        if found[tile]["info"]["schedule"] != want:
+            raise RuntimeError(f"tile {tile}: a {found[tile]['info']['schedule']} kernel where {want} was built")
 
     dynamic, notes, probe_builds = _dynamic_shared(
         {tile: (f["function"], names[tile], CTA_WARPS) for tile, f in found.items()}, src, nvcc, out)
 
     rows = []
-    for tile in TILES:
+    for tile in tiles:
         f = found[tile]
         info, usage, b = f["info"], f["usage"], f["build"]
-        m = measure(f["instrs"], tile, info["atom_mnk"])
+        m = measure(f["instrs"], tile, info["atom_mnk"], cooperative=kind[tile] == "cooperative")
         st, pst = m["stats"], m["producer_stats"]
         dyn = dynamic.get(tile)
         probe = probe_builds.get(f"{names[tile]}_smem_probe")
         rows.append({
             "kernel": KERNEL,
+            "kernel_type": kind[tile],
             "regime": f"{'decode' if tile[1] == 16 else 'prefill'} (swap_ab: {tile[0]} weight rows x {tile[1]} "
                       "tokens per expert tile; " + ("FlashInfer's untuned default tactic)" if tile == TILES[0]
                                                      else "an autotuner candidate)"),
@@ -720,7 +730,8 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
             "producer_instructions_per_iteration": pst.instructions,
             "weights_per_iteration": m["weights"],
             "num_warps": CTA_WARPS,
-            "loop_warps": {"consumer": CONSUMER_WARPS, "producer": PRODUCER_WARPS},
+            "loop_warps": {"consumer": CONSUMER_WARPS * (2 if kind[tile] == "cooperative" else 1),
+                           "producer": PRODUCER_WARPS},
             "warp_instr_per_weight": round(m["per_weight"], 4),
             "consumer_warp_instr_per_weight": round(m["consumer_per_weight"], 4),
             "hbm_ceiling_pct": round(100 * sass.hbm_ceiling(m["per_weight"]), 1),
