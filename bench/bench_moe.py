@@ -495,7 +495,6 @@ def time_fp4_mode(torch, fused_moe_nvfp4, weights, act_quant: str, x, tw, ids, t
         return {"error": f"output differs from fused_moe_fp4_reference: normwise {err:.3g} > 1e-2 (not timed)"}
     t, n, t_eager, mode, why = time_call(torch, run, out, timer, use_graph=not no_graph, what=f"act_quant={act_quant}")
     return {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "normwise_vs_reference": err,
-            "tables": [weights.w13_table, weights.w2_table], **({"tables_agree": agree} if check_tables else {}),
             **({"graph_failure": why} if why else {})}
 
 

@@ -276,3 +276,32 @@ def test_graph_bench_rehearses_the_fp4_modes_on_cpu(tmp_path):
         assert p["triton_kernels"] == FP4_CALL and p["torch_ops"] == [] and p["syncs"] == []
         assert p["replay_equals_eager"] and p["replay_new_routing_equals_eager"]
         assert p["ref_err"] < 1e-3 and p["replay_us"] > 0
+
+
+def test_bench_moe_mode_arms_time_on_cpu():
+    """bench/bench_moe.py's per-mode timers (time_fp4_mode for both FP4 modes, time_e4m3_mode with
+    its table comparison) run end to end in the interpreter on tiny-fp4, as they do on a GPU: each
+    checks its output against its mode's reference before timing and returns a time, and the e4m3
+    arm reports the tables its weights took and that the normal table equals the full one."""
+    import pathlib
+    import sys
+    import types
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+    import bench_moe
+    from k3nvfp4.kernels.tune import Timer
+
+    shape = types.SimpleNamespace(E=6, H=128, I=64)
+    device = torch.device(DEV)
+    timer = Timer(device, warmup=0, iters=1)
+    x = torch.randn(3, shape.H, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+    tw, ids = (t.to(DEV) for t in random_routing(3, 2, shape.E, seed=3))
+    if _interpreter_runs_fp4() or DEV == "cuda":
+        for mode, w in bench_moe.fp4_mode_arms(torch, shape, device, 0).items():
+            r = bench_moe.time_fp4_mode(torch, fused_moe_nvfp4, w, mode, x, tw, ids, timer, no_graph=True)
+            assert "error" not in r and r["time_us"] > 0 and r["normwise_vs_reference"] <= 1e-2, (mode, r)
+    w, why = bench_moe.e4m3_mode_arm(torch, shape, device, 0)
+    assert why is None
+    r = bench_moe.time_e4m3_mode(torch, fused_moe_nvfp4, w, x, tw, ids, timer, no_graph=True, check_tables=True)
+    assert "error" not in r and r["time_us"] > 0 and r["normwise_vs_reference"] <= 1e-2, r
+    assert r["tables"] == ["normal", "normal"] and r["tables_agree"] is True
