@@ -254,9 +254,8 @@ def flashinfer_findings(statics: list[dict]) -> list[str]:
     for r in statics:
         t = r["tile"]
         name = f"flashinfer {t['M']}x{t['N']}x{t['K']}"
-        cooperative = (t["M"], t["N"], t["K"]) in fs.COOPERATIVE_TILES
-        checks = [(r["kernel"] == fs.KERNEL and t["schedule"] == ("cooperative" if cooperative else "pingpong"),
-                   "kernel / schedule"),
+        kind = "cooperative" if (t["M"], t["N"], t["K"]) in fs.COOPERATIVE_TILES else "warp_specialized"
+        checks = [(r["kernel"] == fs.KERNEL and t["schedule"] == fs.schedule_of(kind), "kernel / schedule"),
                   (r["registers"] > 0 and r["local_bytes"] >= 0, "registers"),
                   (r["mma_per_iteration"] == (t["M"] // 64) * (t["K"] // 16) > 0, "MMAs per iteration"),
                   (r["weights_per_iteration"] == t["M"] * t["K"], "weights per iteration"),

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from k3nvfp4.kernels import perf_model as pm
+from peers.flashinfer_sass import is_single_warpgroup
 
 
 # Bytes per activation element entering a grouped GEMM: bf16 (W4A16) or E4M3 (W4A8; its one fp32
@@ -63,8 +64,7 @@ def _gemm(device: pm.Device, statics: dict[str, Any], shard: pm.Shard, gemm: str
     other = (M * H * x + tokens * 2 * I * 2) if gemm == "gemm1" else (tokens * I * x + tokens * H * 2)
     return pm.predict_kernel(
         device, name=f"flashinfer {gemm}", config=f"{tile['M']}x{tile['N']}x{tile['K']} {tile['schedule']}"
-        + ("" if statics.get("kernel_type", "warp_specialized") in ("warp_specialized", "cooperative")
-           else f" {statics['kernel_type']}"),
+        + (f" {statics['kernel_type']}" if is_single_warpgroup(statics.get("kernel_type", "warp_specialized")) else ""),
         cost=cost, programs_launched=device.sms, programs_active=tiles, iterations_per_program=passes,
         iterations_total=tiles * passes, weights_per_iteration=tile["M"] * tile["K"], useful_weights=useful,
         useful_passes=routing.blocks * rows * K, weight_bytes=useful * bpw, other_bytes=other,

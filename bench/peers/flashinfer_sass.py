@@ -364,6 +364,17 @@ def is_single_warpgroup(kernel_type: str) -> bool:
     return kernel_type not in WARP_SPECIALIZED
 
 
+def schedule_of(kernel_type: str) -> str:
+    """The mainloop schedule parse_kernel_name reads from a warp-specialized kernel of this type."""
+    return "cooperative" if kernel_type == "cooperative" else SCHEDULE
+
+
+def _check_schedule(tile: tuple[int, int, int], info: dict[str, Any], kernel_type: str) -> None:
+    """Raise where the built kernel's schedule is not the one ``kernel_type`` asked for."""
+    if info["schedule"] != schedule_of(kernel_type):
+        raise RuntimeError(f"tile {tile}: a {info['schedule']} kernel where {kernel_type} was built")
+
+
 def operation(gen: types.ModuleType, tile: tuple[int, int, int], act: str = "bf16",
               kernel_type: str = "warp_specialized") -> Any:
     """The ``act`` (ACTS: bf16 or e4m3) x MXFP4 (ue8m0 scales, bf16 out) sm90 mixed grouped-GEMM
@@ -623,7 +634,8 @@ def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int
         + ("producer warps 1-3 have no per-k-tile work" if cooperative else
            "the other 7 warps of the CTA (the second consumer warpgroup works on another tile in the same way; "
            "producer warps 1-3 have no per-k-tile work) are not counted"))
-    return {"loop": loop, "stats": st, "real_hgmma": wgs * real, "placeholders": placeholders, "weights": weights,
+    return {"loop": loop, "stats": st, "real_hgmma": wgs * real, "consumer_warpgroups": wgs,
+            "placeholders": placeholders, "weights": weights,
             "producer_loop": ploop, "producer_stats": pst, "consumer_per_weight": consumer_wipw,
             "per_weight": total, "mapping": mapping, "scale_ffma": ffma, "convert_hmul2": hmul2,
             "convert_prmt": prmt, "table_lds_u8": lds_u8}
@@ -702,9 +714,7 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
                 found[tile] = {"function": fn, "instrs": instrs, "usage": usage[fn], "build": b, "info": info}
         if tile not in found:
             raise RuntimeError(f"no mixed-input device_kernel for tile {tile} in {b.path}")
-        want = "cooperative" if kind[tile] == "cooperative" else SCHEDULE
-        if found[tile]["info"]["schedule"] != want:
-            raise RuntimeError(f"tile {tile}: a {found[tile]['info']['schedule']} kernel where {want} was built")
+        _check_schedule(tile, found[tile]["info"], kind[tile])
 
     dynamic, notes, probe_builds = _dynamic_shared(
         {tile: (f["function"], names[tile], CTA_WARPS) for tile, f in found.items()}, src, nvcc, out)
@@ -730,8 +740,7 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
             "producer_instructions_per_iteration": pst.instructions,
             "weights_per_iteration": m["weights"],
             "num_warps": CTA_WARPS,
-            "loop_warps": {"consumer": CONSUMER_WARPS * (2 if kind[tile] == "cooperative" else 1),
-                           "producer": PRODUCER_WARPS},
+            "loop_warps": {"consumer": CONSUMER_WARPS * m["consumer_warpgroups"], "producer": PRODUCER_WARPS},
             "warp_instr_per_weight": round(m["per_weight"], 4),
             "consumer_warp_instr_per_weight": round(m["consumer_per_weight"], 4),
             "hbm_ceiling_pct": round(100 * sass.hbm_ceiling(m["per_weight"]), 1),
@@ -837,8 +846,8 @@ def flashinfer_w4a8_rows(build_dir: str | os.PathLike = "build/peers/flashinfer"
         single = is_single_warpgroup(kernel_type)
         if (info["structure"] == "single_warpgroup") != single:
             raise RuntimeError(f"tile {tile}: a {info['structure']} kernel where {kernel_type} was built")
-        if not single and info["schedule"] != ("cooperative" if kernel_type == "cooperative" else SCHEDULE):
-            raise RuntimeError(f"tile {tile}: a {info['schedule']} kernel where {kernel_type} was built")
+        if not single:
+            _check_schedule(tile, info, kernel_type)
         found[(kernel_type, tile)] = (fn, instrs, info, usage[fn], b,
                                       SINGLE_WARPGROUP_WARPS if single else CTA_WARPS)
     dynamic, notes, _ = _dynamic_shared({v: (f[0], names[v], f[5]) for v, f in found.items()}, src, nvcc, out)
