@@ -47,6 +47,14 @@ E4M3_NORMAL_MIN_OFFSET = -5
 E4M3_TABLES = ("full", "normal")
 
 
+def is_normal_table(table: str, name: str = "table") -> bool:
+    """Whether an E4M3 table name (E4M3_TABLES) is the normal one; any other name is refused,
+    naming ``name`` (the kernels' NORMAL constexpr, the cost table's section, the weights' field)."""
+    if table not in E4M3_TABLES:
+        raise ValueError(f"{name}: expected one of {E4M3_TABLES}, got {table!r}")
+    return table == "normal"
+
+
 def expand_e2m1_to_e4m3_reference(codes: torch.Tensor, offset: torch.Tensor | int) -> torch.Tensor:
     """codes uint8 [...] (E2M1, 0..15), offset int (any integer dtype, broadcast to codes' shape)
     in [-8, 6] -> uint8 [...] E4M3 bytes of E2M1(code) x 2^offset (module docstring), plain torch

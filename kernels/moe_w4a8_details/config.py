@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from ..costs import Tile, tile_cost
-from ..moe_details.e4m3_expand import E4M3_TABLES
+from ..moe_details.e4m3_expand import E4M3_TABLES, is_normal_table
 from ..moe_details.config import config_file_name, config_from_dict, load_tuned_configs, nearest_tuned
 from ..target import current_device_name
 
@@ -101,9 +101,7 @@ class W4A8Config:
             mode = _COST_MODES[weight_block]
         except KeyError:
             raise ValueError(f"weight_block: expected one of {sorted(_COST_MODES)}, got {weight_block!r}") from None
-        if table not in E4M3_TABLES:
-            raise ValueError(f"table: expected one of {E4M3_TABLES}, got {table!r}")
-        return mode + (_NORMAL_SUFFIX if table == "normal" else "")
+        return mode + (_NORMAL_SUFFIX if is_normal_table(table) else "")
 
     @staticmethod
     def cost_modes() -> tuple[str, ...]:

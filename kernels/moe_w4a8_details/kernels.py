@@ -143,8 +143,9 @@ def w4a8_gemm1_kernel(
     [E, 2I/16, H/64, 128] and off int8 [E, 2I/16, H/64, 1024/WB] (the fragment order of
     moe_w4a8_details/fragment.py; NORMAL: every offset >= -5, the normal table), rs fp32 [E, 2I].
     ONE MMA operand of 2 x BLOCK_N weight rows per K step (gate rows n .., then up rows I + n ..;
-    a tile past I re-reads I's last 16-row block), tokens on N. The row factors multiply the accumulator before split-K's partials (fp32
-    [SPLIT_K, max_padded, 2I], counters tickets[block, column tile]). The finishing program:
+    a tile past I re-reads I's last 16-row block), tokens on N. The row factors multiply the
+    accumulator before split-K's partials (fp32 [SPLIT_K, max_padded, 2I], counters
+    tickets[block, column tile]). The finishing program:
     SiTU / SiLU in fp32, columns past I zeroed, then E4M3 per token per 128 columns -> o E4M3
     [max_padded, I], os fp32 [max_padded, cdiv(I, 128)]. Padding rows are stored too (computed
     from token 0: finite), so GEMM2 can read whole blocks unmasked.

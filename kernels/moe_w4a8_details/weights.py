@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..moe_details.e4m3_expand import E4M3_NORMAL_MIN_OFFSET, E4M3_TABLES
+from ..moe_details.e4m3_expand import E4M3_NORMAL_MIN_OFFSET, is_normal_table
 from ..moe_details.weights import ExpertWeights, gate_up_scale_2, validate_modelopt
 from .fragment import from_fragment_order, to_fragment_order
 from .prep import W4A8Weights, prepare_w4a8_from_mxfp4, prepare_w4a8_from_nvfp4
@@ -65,9 +65,8 @@ class W4A8MoEWeights(ExpertWeights):
         # The normal table gives wrong bytes below offset -5: refuse weights that claim it wrongly
         # (once, at load; the kernels trust the flag).
         for name, table, offsets in (("w13", self.w13_table, self.w13_offsets), ("w2", self.w2_table, self.w2_offsets)):
-            if table not in E4M3_TABLES:
-                raise ValueError(f"{name}_table: expected one of {E4M3_TABLES}, got {table!r}")
-            if table == "normal" and offsets.numel() and int(offsets.min()) < E4M3_NORMAL_MIN_OFFSET:
+            normal = is_normal_table(table, f"{name}_table")
+            if normal and offsets.numel() and int(offsets.min()) < E4M3_NORMAL_MIN_OFFSET:
                 raise ValueError(f"{name}_table = 'normal' but {name}_offsets go down to {int(offsets.min())}; "
                                  f"the normal E4M3 table is exact only for offsets >= {E4M3_NORMAL_MIN_OFFSET} "
                                  "(use 'full')")

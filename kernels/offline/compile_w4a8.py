@@ -26,7 +26,7 @@ import sys
 import triton
 import triton.language as tl
 
-from ..moe_details.e4m3_expand import expand_e2m1_to_e4m3
+from ..moe_details.e4m3_expand import expand_e2m1_to_e4m3, is_normal_table
 from ..moe_w4a8_details.kernels import _expanded_weights
 from .compile import _require_compiler, compile_kernel
 
@@ -140,7 +140,7 @@ def fragment_probe_report(weight_block: int = 32, rows: int = 256, block_m: int 
     from . import sass
 
     args = dict(w_ptr="*i32", off_ptr="*i8", x_ptr="*fp8e4nv", out_ptr="*fp32", K=3584)
-    consts = dict(R=rows // 16, BLOCK_M=block_m, WB=weight_block, NORMAL=_normal(table))
+    consts = dict(R=rows // 16, BLOCK_M=block_m, WB=weight_block, NORMAL=is_normal_table(table))
     c = compile_kernel(w4a8_fragment_probe_kernel, args, consts, arch, num_warps, num_stages)
     ttgir = c.asm["ttgir"]
     e4m3_allocs = sorted({m.group(1) for m in re.finditer(r"ttg\.local_alloc[^\n]*?tensor<(\d+x\d+)xf8E4M3FN", ttgir)})
@@ -173,15 +173,6 @@ W4A8_CONFIGS = (
 )
 
 
-def _normal(table: str) -> bool:
-    """The kernels' NORMAL constexpr of a weight table name (refused by name otherwise)."""
-    from ..moe_details.e4m3_expand import E4M3_TABLES
-
-    if table not in E4M3_TABLES:
-        raise ValueError(f"table: expected one of {E4M3_TABLES}, got {table!r}")
-    return table == "normal"
-
-
 def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int = 16, arch: int = 90,
                       weight_block: int = 32, table: str = "full"):
     """Compile the e4m3 mode's GEMM1 ("gemm1": expansion, E4M3 dot, promotion, SiTU, intermediate
@@ -195,7 +186,7 @@ def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int
     common = dict(aq_ptr="*fp8e4nv", as_ptr="*fp32", w_ptr="*i32", off_ptr="*i8", rs_ptr="*fp32", tickets_ptr="*i32",
                   sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", num_pairs=17, top_k=top_k,
                   H=H, I=I)
-    consts = dict(WB=weight_block, NORMAL=_normal(table), BLOCK_M=config.block_m)
+    consts = dict(WB=weight_block, NORMAL=is_normal_table(table), BLOCK_M=config.block_m)
     if kind == "gemm1":
         fn = K.w4a8_gemm1_kernel
         args = dict(o_ptr="*fp8e4nv", os_ptr="*fp32", part_ptr="*fp32", beta=4.0, linear_beta=25.0, **common)
