@@ -378,10 +378,9 @@ def e4m3_tables_agree(torch, weights, x, tw, ids) -> bool | None:
 
     if "normal" not in (weights.w13_table, weights.w2_table):
         return None
-    cfg = run_w4a8(x, weights, tw, ids).config
-    normal = run_w4a8(x, weights, tw, ids, config=cfg, deterministic=True).out
+    normal = run_w4a8(x, weights, tw, ids, deterministic=True)  # its config: the one the weights' tables pick
     full = dataclasses.replace(weights, w13_table="full", w2_table="full")  # exact for every offset
-    return bool(torch.equal(normal, run_w4a8(x, full, tw, ids, config=cfg, deterministic=True).out))
+    return bool(torch.equal(normal.out, run_w4a8(x, full, tw, ids, config=normal.config, deterministic=True).out))
 
 
 def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph: bool,
