@@ -282,7 +282,10 @@ def test_bench_moe_mode_arms_time_on_cpu():
     """bench/bench_moe.py's per-mode timers (time_fp4_mode for both FP4 modes, time_e4m3_mode with
     its table comparison) run end to end in the interpreter on tiny-fp4, as they do on a GPU: each
     checks its output against its mode's reference before timing and returns a time, and the e4m3
-    arm reports the tables its weights took and that the normal table equals the full one."""
+    arm reports the tables its weights took and that the normal table equals the full one bit for
+    bit (bench_moe.e4m3_tables_agree, run by gpu_check's bench on the GPU; weights that already take
+    the full table have nothing to compare: None)."""
+    import dataclasses
     import pathlib
     import sys
     import types
@@ -305,3 +308,5 @@ def test_bench_moe_mode_arms_time_on_cpu():
     r = bench_moe.time_e4m3_mode(torch, fused_moe_nvfp4, w, x, tw, ids, timer, no_graph=True, check_tables=True)
     assert "error" not in r and r["time_us"] > 0 and r["normwise_vs_reference"] <= 1e-2, r
     assert r["tables"] == ["normal", "normal"] and r["tables_agree"] is True
+    full = dataclasses.replace(w, w13_table="full", w2_table="full")
+    assert bench_moe.e4m3_tables_agree(torch, full, x, tw, ids) is None

@@ -235,26 +235,6 @@ def test_each_gemm_takes_its_own_matrix_table():
         __import__("dataclasses").replace(w, w2_table="normal")
 
 
-def test_bench_compares_the_two_tables_bit_for_bit():
-    """bench/bench_moe.e4m3_tables_agree (run by gpu_check's bench on the GPU): normal-table weights
-    give the full table's output bit for bit at one config with the slot-order sum; weights that
-    already take the full table have nothing to compare (None)."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
-    import bench_moe
-
-    mx = _mxfp4_layer(15, deep_blocks=False)
-    w = W4A8MoEWeights.from_mxfp4(*mx).to(DEV)
-    x = _tokens(15).to(DEV)
-    tw, ids = (t.to(DEV) for t in _routing(15))
-    assert (w.w13_table, w.w2_table) == ("normal", "normal")
-    assert bench_moe.e4m3_tables_agree(torch, w, x, tw, ids) is True
-    full = __import__("dataclasses").replace(w, w13_table="full", w2_table="full")
-    assert bench_moe.e4m3_tables_agree(torch, full, x, tw, ids) is None
-
-
 def test_preparation_refuses_what_it_cannot_expand():
     mx = _mxfp4_layer(9, deep_blocks=False)
     mo = cast_mxfp4_moe(*mx)
