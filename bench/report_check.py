@@ -90,7 +90,7 @@ def stale_w4a8_rows(rows: list[dict]) -> list[str]:
     for r in rows:
         if "kernels" not in r:
             continue
-        cfg = W4A8Config(**{k: v for k, v in r["config"].items() if k != "label"})
+        cfg = W4A8Config.from_dict({k: v for k, v in r["config"].items() if k != "label"})
         wb = {"nvfp4": 16, "mxfp4": 32}[r["checkpoint"]]
         for k, kind in zip(r["kernels"], ("gemm1", "gemm2")):
             tile = cfg.tile(kind)

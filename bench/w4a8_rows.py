@@ -65,8 +65,8 @@ def measure_job(job: tuple, ptx_dir: str | None = None) -> dict:
 def _gemm_key(kind: str, cfg, wb: int, table: str) -> tuple:
     """What a compile of one GEMM depends on (H, I, top_k are runtime ints, all divisible by 16)."""
     if kind == "gemm1":
-        return (kind, cfg.block_m, cfg.block_n1, cfg.block_k1, cfg.split_k1, cfg.num_warps, cfg.num_stages, wb, table)
-    return (kind, cfg.block_m, cfg.block_n2, cfg.block_k2, cfg.split_k2, cfg.num_warps, cfg.num_stages,
+        return (kind, cfg.block_m, cfg.block_n1, cfg.block_k1, cfg.split_k1, cfg.num_warps1, cfg.num_stages, wb, table)
+    return (kind, cfg.block_m, cfg.block_n2, cfg.block_k2, cfg.split_k2, cfg.num_warps2, cfg.num_stages,
             cfg.atomic_reduce, wb, table)
 
 

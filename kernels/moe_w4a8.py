@@ -138,7 +138,6 @@ def run_w4a8(
     ng_h, ng_i = -(-H // ACT_GROUP), -(-I // ACT_GROUP)
     aq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=device)
     asc = torch.empty(M, ng_h, dtype=torch.float32, device=device)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     tiles1, tiles2 = triton.cdiv(I, cfg.block_n1), triton.cdiv(H, cfg.block_n2)
     num_pairs = M * k
     max_blocks = max_padded_blocks(num_pairs, E, cfg.block_m)
@@ -166,7 +165,8 @@ def run_w4a8(
         num_pairs, k, H, I, beta, linear_beta,
         ACT=activation.kernel_id, HAS_LINEAR_BETA=activation.has_linear_beta, WB=weights.block,
         NORMAL=weights.w13_table == "normal",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SPLIT_K=cfg.split_k1, **launch,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, SPLIT_K=cfg.split_k1,
+        num_warps=cfg.num_warps1, num_stages=cfg.num_stages,
     )
 
     # 3. GEMM2 x row factors x routing weight, the top-k sum by each token's last arrival, the cast.
@@ -180,6 +180,6 @@ def run_w4a8(
         num_pairs, k, E, H, I, 1.0 if routed_scaling_factor is None else float(routed_scaling_factor),
         WB=weights.block, NORMAL=weights.w2_table == "normal", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2,
         BLOCK_K=cfg.block_k2,
-        SPLIT_K=cfg.split_k2, ATOMIC=atomic, **launch,
+        SPLIT_K=cfg.split_k2, ATOMIC=atomic, num_warps=cfg.num_warps2, num_stages=cfg.num_stages,
     )
     return W4A8Run(out, aq, asc, iq, isc, routing, cfg)

@@ -203,7 +203,7 @@ def _expand_stage(stage: dict[str, list], best):
     for field, values in stage.items():
         if values == ["~"]:  # block_m ladder (with swap_ab)
             options = _block_m_choices(best)
-        else:  # a dict value sets several fields together (e4m3: block_m with its num_warps)
+        else:  # a dict value sets several fields together (e4m3: block_m with GEMM1's num_warps1)
             options = [v if isinstance(v, dict) else {field: v} for v in values]
         choices = [{**c, **o} for c in choices for o in options]
     out: dict[MoEConfig, None] = {}  # ordered, de-duplicated

@@ -160,7 +160,38 @@ CONFIGS = {
     "heuristic": None,
     "split-k": W4A8Config(block_k1=64, block_k2=64, split_k1=3, split_k2=2),
     "atomic": W4A8Config(block_m=32, block_n2=128, block_k1=64, block_k2=64, atomic_reduce=True),
+    # the prefill picks' shape: 64 tokens, GEMM1 on 8 warps, GEMM2 on one warpgroup
+    "prefill": W4A8Config(block_m=64, block_n2=128, block_k1=64, block_k2=64, num_warps1=8, num_warps2=4,
+                          atomic_reduce=True),
 }
+
+
+def test_each_gemm_launches_with_its_own_warps(layer, monkeypatch):
+    """fused_moe_w4a8 launches GEMM1 with config.num_warps1 and GEMM2 with num_warps2 (the
+    interpreter ignores warps, so the launches are watched, not timed)."""
+    from k3nvfp4.kernels import moe_w4a8
+
+    seen = {}
+
+    class Watch:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen[self.name] = (kw["num_warps"], kw["num_stages"])
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    moe_w4a8.check_w4a8_supported(torch.device(DEV))  # before the watch hides the interpreter's kernels
+    monkeypatch.setattr(moe_w4a8, "check_w4a8_supported", lambda device: None)
+    for name in ("w4a8_gemm1_kernel", "w4a8_gemm2_kernel"):
+        monkeypatch.setattr(moe_w4a8._k, name, Watch(name, getattr(moe_w4a8._k, name)))
+    _, w, _ = layer
+    x, (tw, ids) = _tokens(5), _routing(5)
+    cfg = CONFIGS["prefill"]
+    run_w4a8(x.to(DEV), w.to(DEV), tw.to(DEV), ids.to(DEV), config=cfg)
+    assert seen == {"w4a8_gemm1_kernel": (8, cfg.num_stages), "w4a8_gemm2_kernel": (4, cfg.num_stages)}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -254,9 +285,23 @@ def test_config_check_names_the_field():
         W4A8Config(block_n1=64).check(H, I)
     with pytest.raises(ValueError, match="config.block_k2 = 128 must be 64 or 128 and divide 192"):
         W4A8Config().check(H, I)
+    with pytest.raises(ValueError, match=r"config.num_warps2 = 2 must be 4 or 8"):
+        W4A8Config(block_k2=64, num_warps2=2).check(H, I)
     cfg = W4A8Config.heuristic(E, H, I, K, M)
     cfg.check(H, I)
     assert cfg.block_k1 == 64 and cfg.block_k2 == 64
+
+
+def test_config_file_entries_round_trip_and_read_the_one_warp_count_of_older_files():
+    """A tuned-file entry round-trips; an entry written before GEMM2 had warps of its own carries one
+    "num_warps", read as both GEMMs'; any other unknown key is refused by name."""
+    cfg = W4A8Config(block_m=64, num_warps1=8, num_warps2=4, atomic_reduce=True)
+    assert W4A8Config.from_dict(cfg.to_dict()) == cfg
+    old = {k: v for k, v in cfg.to_dict().items() if k not in ("num_warps1", "num_warps2")} | {"num_warps": 8}
+    assert W4A8Config.from_dict(old) == W4A8Config(block_m=64, num_warps1=8, num_warps2=8, atomic_reduce=True)
+    with pytest.raises(ValueError, match=r"unknown keys \['warps'\]"):
+        W4A8Config.from_dict(cfg.to_dict() | {"warps": 4})
+    assert cfg.tile("gemm1").num_warps == 8 and cfg.tile("gemm2").num_warps == 4
 
 
 def test_heuristic_picks_measured_tiles_that_launch_without_spills():
@@ -266,7 +311,7 @@ def test_heuristic_picks_measured_tiles_that_launch_without_spills():
     without a section, the shape rule."""
     from k3nvfp4.kernels import perf_model as pm
     from k3nvfp4.kernels.costs import tile_cost
-    from k3nvfp4.kernels.moe_w4a8_details.config import COST_ARCH, TOKEN_TILES, shape_rule
+    from k3nvfp4.kernels.moe_w4a8_details.config import COST_ARCH, GEMM2_WARPS, TOKEN_TILES, shape_rule
 
     for wb in (16, 32):
         for tables in (("full", "full"), ("normal", "normal"), ("normal", "full")):
@@ -277,7 +322,7 @@ def test_heuristic_picks_measured_tiles_that_launch_without_spills():
                     c = W4A8Config.heuristic(sh.local_experts, sh.hidden, sh.intermediate, sh.top_k, M,
                                              num_global_experts=sh.global_experts, weight_block=wb, tables=tables)
                     c.check(sh.hidden, sh.intermediate)
-                    assert (c.block_m, c.num_warps) in TOKEN_TILES and c in {
+                    assert (c.block_m, c.num_warps1) in TOKEN_TILES and c.num_warps2 in GEMM2_WARPS[c.block_m] and c in {
                         __import__("dataclasses").replace(b, split_k1=c.split_k1, split_k2=c.split_k2)
                         for b in W4A8Config.candidates(sh.hidden, sh.intermediate)}
                     for kind, table in zip(("gemm1", "gemm2"), tables):
@@ -287,11 +332,42 @@ def test_heuristic_picks_measured_tiles_that_launch_without_spills():
                 assert picks[1].block_m == 16 and picks[16384].block_m >= picks[1].block_m
     big = shape_rule(384, 3584, 3072, 8, 4096)
     assert big.block_m == 64 and big.block_k1 == 64 and big.block_k2 == 128 and big.split_k1 == 1
-    assert big.num_warps == 8
+    assert big.num_warps1 == 8 and big.num_warps2 == 4
     with pytest.raises(ValueError, match="weight_block: expected one of"):
         W4A8Config.cost_mode(8)
     with pytest.raises(ValueError, match="table: expected one of"):
         W4A8Config.cost_mode(16, "subnormal")
+
+
+def test_gemm2_takes_one_warpgroup_at_64_tokens():
+    """GEMM2's operand (<= 128 rows of H) fits one warpgroup at 64 tokens. Measured on sm90 (the
+    cost table, every section and GEMM2 tile at 64 tokens), its 4-warp loop costs fewer
+    warp-instructions per weight than the 8-warp one and fits more CTAs per SM, so the heuristic's
+    64-token picks run GEMM1 on 8 warps (its 256-row accumulators) and GEMM2 on 4."""
+    from k3nvfp4.kernels import perf_model as pm
+    from k3nvfp4.kernels.costs import Tile, tile_cost
+    from k3nvfp4.kernels.moe_w4a8_details.config import COST_ARCH
+
+    for mode in W4A8Config.cost_modes():
+        for bn in (64, 128):
+            for bk in (64, 128):
+                for atomic in (False, True):
+                    c4, c8 = (tile_cost(Tile("gemm2", 64, True, bn, bk, w, 3, atomic), COST_ARCH, mode) for w in (4, 8))
+                    where = (mode, bn, bk, atomic)
+                    assert c4.instructions_per_iteration * 4 < 0.9 * c8.instructions_per_iteration * 8, where
+                    ctas = [pm.occupancy(pm.H200, c.registers, 32 * w, c.shared_bytes)[0] for c, w in ((c4, 4), (c8, 8))]
+                    assert ctas[0] > ctas[1] >= 1, where
+    picked = 0
+    for wb in (16, 32):
+        for tables in (("full", "full"), ("normal", "normal")):
+            for s in ("ep16", "tp16", "ep8", "tp8"):
+                sh = pm.K3_SHARDS[s]
+                c = W4A8Config.heuristic(sh.local_experts, sh.hidden, sh.intermediate, sh.top_k, 16384,
+                                         num_global_experts=sh.global_experts, weight_block=wb, tables=tables)
+                if c.block_m == 64:
+                    assert (c.num_warps1, c.num_warps2) == (8, 4), (wb, tables, s, c)
+                    picked += 1
+    assert picked >= 12
 
 
 def test_large_call_routing_path_silu_and_empty_batch(layer, monkeypatch):

@@ -101,7 +101,7 @@ def test_mma_at_the_kernels_own_peak_and_the_e4m3_call_at_fp8_rate():
     assert pm.predict_kernel(TOY, **kw, mma_peak_flops=2e15).t_mma == pytest.approx(0.5e-6)
     assert pm.H200.mma_fp8_flops == 2 * 989.5e12
     assert w4a8_bytes_per_weight(32, 3584) == pytest.approx(0.5 + 1 / 32 + 4 / 3584)
-    shard, cfg = pm.K3_SHARDS["ep16"], W4A8Config(block_m=64, num_warps=8)
+    shard, cfg = pm.K3_SHARDS["ep16"], W4A8Config(block_m=64, num_warps1=8)
     costs = {k: pm.LoopCost(1, 8, 128, 32768) for k in ("gemm1", "gemm2")}  # loops too cheap to bind
     call = w4a8_call(pm.H200, shard, 16384, cfg, costs, 32)
     g1 = call.kernels[0]

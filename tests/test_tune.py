@@ -227,8 +227,8 @@ def test_offline_launch_check_measures_real_compiles():
         # the e4m3 mode's configs through the same check (its own compile, compile_w4a8)
         "from k3nvfp4.kernels.moe_w4a8_details.config import W4A8Config;"
         "check8 = offline_launch_check(TuneShape(56, 3584, 3072, 16, 896), 90, mode='e4m3');"
-        "print(repr(check8(W4A8Config(block_m=16, num_warps=4))));"
-        "print(check8(W4A8Config(block_m=64, num_warps=4)))"
+        "print(repr(check8(W4A8Config(block_m=16, num_warps1=4))));"
+        "print(check8(W4A8Config(block_m=64, num_warps1=4)))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, env=env, timeout=600)
@@ -322,7 +322,7 @@ def test_e4m3_search_spaces_hold_valid_configs_around_its_heuristic():
                     valid = [c for c in cands if TUNED_MODES["e4m3"].invalid(c, shape) is None]
                     assert valid, (shape, space, stage)
     tiles = tune._expand_stage(tune.stages("small", "e4m3")[0], tune.base_config("small", shape, 1, "e4m3"))
-    assert sorted((c.block_m, c.num_warps) for c in tiles) == [(16, 4), (32, 4), (64, 8)]
+    assert sorted((c.block_m, c.num_warps1) for c in tiles) == [(16, 4), (32, 4), (64, 8)]
     assert TUNED_MODES["e4m3"].invalid(W4A8Config(block_k2=128), shape) == "config.block_k2 = 128 must be 64 or 128 and divide 192"
 
 

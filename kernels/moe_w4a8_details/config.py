@@ -32,9 +32,14 @@ COST_ARCH = 90
 _COST_MODES = {16: "w4a8 e4m3/16", 32: "w4a8 e4m3/32"}
 _NORMAL_SUFFIX = " normal"
 FULL_TABLES = ("full", "full")
-# (block_m, num_warps) of the candidates: GEMM1's 256-row operand (2 x block_n1 = 128 columns) with
-# block_m tokens needs 8 warps at 64 tokens (its accumulators), 4 below; block_m 128 would spill.
+# (block_m, GEMM1's num_warps) of the candidates: GEMM1's 256-row operand (2 x block_n1 = 128 columns)
+# with block_m tokens needs 8 warps at 64 tokens (its accumulators), 4 below; block_m 128 would spill.
 TOKEN_TILES = ((16, 4), (32, 4), (64, 8))
+# GEMM2's num_warps per block_m. Its operand has block_n2 <= 128 rows, so one warpgroup holds its
+# accumulators at every token tile; at 64 tokens 4 warps cost fewer instructions per weight than 8
+# (sm90, Triton 3.8: 0.095 against 0.121 at bn128 bk128 from NVFP4) and fit two CTAs per SM, i.e.
+# twice the weights in flight. 8 stays a candidate there (the cost table decides).
+GEMM2_WARPS = {16: (4,), 32: (4,), 64: (4, 8)}
 # GEMM2's column tiles (power of two >= 64).
 GEMM2_BLOCK_N = (64, 128)
 # Split-K candidates; a split never leaves a slice without K steps. Powers of two only: SPLIT_K is a
@@ -51,7 +56,9 @@ class W4A8Config:
     >= 16); block_n1: columns of I per GEMM1 program (its MMA has 2 x block_n1 rows, gate and up
     stacked; a multiple of 128); block_n2: columns of H per GEMM2 program (a power of two >= 64);
     block_k1 / block_k2: 64 or 128, dividing H / I; split_k1 / split_k2: K slices per GEMM
-    (finished by the last arrival); atomic_reduce: GEMM2's top-k sum by fp32 atomics (order not
+    (finished by the last arrival); num_warps1 / num_warps2: each GEMM's warps (4 or 8; GEMM1
+    needs 8 at 64 tokens, GEMM2 fits one warpgroup at every tile); num_stages: both GEMMs'
+    pipeline depth; atomic_reduce: GEMM2's top-k sum by fp32 atomics (order not
     fixed) instead of rows summed in slot order. The weights are always on the MMA M side."""
 
     block_m: int = 16
@@ -61,21 +68,31 @@ class W4A8Config:
     block_k2: int = 128
     split_k1: int = 1
     split_k2: int = 1
-    num_warps: int = 4
+    num_warps1: int = 4
+    num_warps2: int = 4
     num_stages: int = 3
     atomic_reduce: bool = False
 
     def label(self) -> str:
         return (f"bm{self.block_m} swap bn{self.block_n1}/{self.block_n2} bk{self.block_k1}/{self.block_k2} "
-                f"sk{self.split_k1}/{self.split_k2} w{self.num_warps} s{self.num_stages}"
+                f"sk{self.split_k1}/{self.split_k2} w{self.num_warps1}/{self.num_warps2} s{self.num_stages}"
                 + (" atomic" if self.atomic_reduce else ""))
+
+    def warps(self, kind: str) -> int:
+        """The warps of GEMM1 (kind "gemm1") or GEMM2 ("gemm2")."""
+        return self.num_warps1 if kind == "gemm1" else self.num_warps2
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "W4A8Config":
-        """The config of one tuned-file entry; unknown keys are refused by name."""
+        """The config of one tuned-file entry; unknown keys are refused by name. A file written
+        before GEMM2 had warps of its own (2026-12-07) has one "num_warps" for both GEMMs; it is
+        read as both."""
+        if "num_warps" in d:
+            d = {k: v for k, v in d.items() if k != "num_warps"} | {"num_warps1": d["num_warps"],
+                                                                    "num_warps2": d["num_warps"]}
         return config_from_dict(cls, d)
 
     @staticmethod
@@ -90,7 +107,7 @@ class W4A8Config:
         """GEMM1's or GEMM2's tile: its row key in the cost table (swap-AB always; GEMM2's atomic
         top-k sum is a tile of its own; split-K is not part of it)."""
         bn, bk = (self.block_n1, self.block_k1) if kind == "gemm1" else (self.block_n2, self.block_k2)
-        return Tile(kind, self.block_m, True, bn, bk, self.num_warps, self.num_stages,
+        return Tile(kind, self.block_m, True, bn, bk, self.warps(kind), self.num_stages,
                     kind == "gemm2" and self.atomic_reduce)
 
     @staticmethod
@@ -125,7 +142,8 @@ class W4A8Config:
         GEMM1 128 columns of I (256 MMA rows) at K step 64, and 128 where H allows (one fp32
         promotion per activation group instead of two; with the weights in the fragment order it
         fits the registers at 16 and 64 tokens, the cost table says which tiles spill and the
-        heuristic skips those); every (block_m, num_warps) of TOKEN_TILES; GEMM2 64 or 128 columns
+        heuristic skips those); every (block_m, GEMM1's warps) of TOKEN_TILES with each of GEMM2's
+        warps (GEMM2_WARPS); GEMM2 64 or 128 columns
         of H at K step 128 where I allows, else 64; each with GEMM2's top-k sum by last arrival and
         by fp32 atomics (the atomic sum moves 2 x fewer bytes per (pair, column) than the slot rows
         stored and summed: what decides TP prefill, where GEMM2 is byte-bound, docs/w4a8.md)."""
@@ -133,9 +151,11 @@ class W4A8Config:
         for bm, warps in TOKEN_TILES:
             for bk1 in ((64, 128) if H % 128 == 0 else (64,)):
                 for bn2 in GEMM2_BLOCK_N:
-                    base = W4A8Config(block_m=bm, block_n1=128, block_n2=bn2, block_k1=bk1,
-                                      block_k2=128 if I % 128 == 0 else 64, num_warps=warps)
-                    out += [base, replace(base, atomic_reduce=True)]
+                    for warps2 in GEMM2_WARPS[bm]:
+                        base = W4A8Config(block_m=bm, block_n1=128, block_n2=bn2, block_k1=bk1,
+                                          block_k2=128 if I % 128 == 0 else 64, num_warps1=warps,
+                                          num_warps2=warps2)
+                        out += [base, replace(base, atomic_reduce=True)]
         return tuple(out)
 
     @classmethod
@@ -159,6 +179,10 @@ class W4A8Config:
                              "(each 128-column group of the intermediate is quantized in one program)")
         if self.block_n2 < 64 or self.block_n2 & (self.block_n2 - 1):
             raise ValueError(f"config.block_n2 = {self.block_n2} must be a power of two >= 64")
+        for name in ("num_warps1", "num_warps2"):
+            if getattr(self, name) not in (4, 8):
+                raise ValueError(f"config.{name} = {getattr(self, name)} must be 4 or 8 (the mode's tiles: one "
+                                 "or two warpgroups of Hopper's FP8 wgmma)")
         for name, K, bk, s in (("1", H, self.block_k1, self.split_k1), ("2", I, self.block_k2, self.split_k2)):
             if bk not in (64, 128) or K % bk:
                 raise ValueError(f"config.block_k{name} = {bk} must be 64 or 128 and divide {K}")
@@ -231,7 +255,8 @@ def shape_rule(E: int, H: int, I: int, top_k: int, M: int, num_global_experts: i
                num_sms: int = 132) -> W4A8Config:
     """The heuristic without measured costs (a Triton whose section is missing): block_m the power
     of two in [16, 64] nearest above the mean rows per local expert (~M k E / E_global / E); GEMM1's
-    K step 64, GEMM2's 128 where I allows, else 64; 8 warps at block_m 64 (GEMM1's accumulators);
+    K step 64, GEMM2's 128 where I allows, else 64; GEMM1 8 warps at block_m 64 (its accumulators),
+    GEMM2 4;
     each GEMM split over K (at most 8 slices, each with >= 2 K steps) while its programs fill fewer
     than ``num_sms``."""
     local_pairs = M * top_k * E / max(E, num_global_experts or E)
@@ -243,6 +268,6 @@ def shape_rule(E: int, H: int, I: int, top_k: int, M: int, num_global_experts: i
     bk2 = 128 if I % 128 == 0 else 64
     blocks = min(E, max(1, int(local_pairs))) + int(local_pairs) // bm  # used row blocks, roughly
     tiles1, tiles2 = -(-I // 128), -(-H // 64)
-    return W4A8Config(block_m=bm, block_k1=bk1, block_k2=bk2, num_warps=8 if bm >= 64 else 4,
+    return W4A8Config(block_m=bm, block_k1=bk1, block_k2=bk2, num_warps1=8 if bm >= 64 else 4, num_warps2=4,
                       split_k1=_split(blocks * tiles1, H // bk1, num_sms),
                       split_k2=_split(blocks * tiles2, I // bk2, num_sms))

@@ -169,7 +169,7 @@ def fragment_probe_report(weight_block: int = 32, rows: int = 256, block_m: int 
 # few blocks) and prefill (64-token blocks, the atomic top-k sum); K3 TP16 (H 3584, I 192) shapes.
 W4A8_CONFIGS = (
     ("bm16_decode", dict(block_m=16, block_k1=64, block_k2=64, split_k1=4, split_k2=1)),
-    ("bm64_prefill", dict(block_m=64, block_k1=64, block_k2=64, num_warps=8, atomic_reduce=True)),
+    ("bm64_prefill", dict(block_m=64, block_k1=64, block_k2=64, num_warps1=8, num_warps2=4, atomic_reduce=True)),
 )
 
 
@@ -198,7 +198,7 @@ def compile_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 192, top_k: int
                     out_ptr="*bf16", stride_om=H, stride_oh=1, num_experts=17, scale=1.0, **common)
         consts.update(BLOCK_N=config.block_n2, BLOCK_K=config.block_k2, SPLIT_K=config.split_k2,
                       ATOMIC=config.atomic_reduce)
-    return compile_kernel(fn, args, consts, arch, config.num_warps, config.num_stages)
+    return compile_kernel(fn, args, consts, arch, config.warps(kind), config.num_stages)
 
 
 def measure_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 3072, top_k: int = 16, arch: int = 90,
@@ -212,15 +212,16 @@ def measure_w4a8_gemm(kind: str, config, H: int = 3584, I: int = 3072, top_k: in
     from .compile import loop_statics
 
     c = compiled or compile_w4a8_gemm(kind, config, H, I, top_k, arch, weight_block, table)
-    cost, st = loop_statics(c, config.num_warps)
+    warps = config.warps(kind)
+    cost, st = loop_statics(c, warps)
     rows = 2 * config.block_n1 if kind == "gemm1" else config.block_n2
     bk = config.block_k1 if kind == "gemm1" else config.block_k2
     return {
         "loop_cost": cost,
         "instructions_per_iteration": st.instructions,
         "weights_per_iteration": rows * bk,
-        "num_warps": config.num_warps,
-        "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, config.num_warps, rows * bk), 4),
+        "num_warps": warps,
+        "warp_instr_per_weight": round(sass.warp_instr_per_weight(st.instructions, warps, rows * bk), 4),
         "registers": cost.registers, "local_bytes": cost.local_bytes, "shared_bytes": cost.shared_bytes,
         "mma_per_iteration": st.mma, "local_memory_ops_in_loop": st.local_memory_ops,
         "family_mix": st.family_mix, "opcode_mix": dict(list(st.opcode_mix.items())[:15]),

@@ -54,11 +54,11 @@ _W4A16_SPACES: dict[str, list[dict[str, list]]] = {
     ],
 }
 
-# e4m3: block_m and num_warps go together (W4A8Config's TOKEN_TILES: 8 warps hold GEMM1's
-# 256-row accumulators at 64 tokens). block_n1 stays 128 (wider GEMM1 tiles spill on sm90); GEMM1's
+# e4m3: block_m and GEMM1's num_warps go together (W4A8Config's TOKEN_TILES: 8 warps hold GEMM1's
+# 256-row accumulators at 64 tokens); GEMM2's warps are searched with its column tile. block_n1 stays 128 (wider GEMM1 tiles spill on sm90); GEMM1's
 # K step is 64 or 128 (128 fits at 16 and 64 tokens with the fragment-order weights, docs/w4a8.md);
 # the offline launch check drops what spills anyway.
-_TOKEN_TILES = [{"block_m": bm, "num_warps": w} for bm, w in TOKEN_TILES]
+_TOKEN_TILES = [{"block_m": bm, "num_warps1": w} for bm, w in TOKEN_TILES]
 _W4A8_SPACES: dict[str, list[dict[str, list]]] = {
     "tiny": [{"block_n2": [64, 128]}],
     "small": [
@@ -69,14 +69,14 @@ _W4A8_SPACES: dict[str, list[dict[str, list]]] = {
     "default": [
         {"tile": _TOKEN_TILES},
         {"block_k1": [64, 128], "split_k1": [1, 2, 4, 8, 16]},
-        {"block_n2": [64, 128], "split_k2": [1, 2, 4, 8]},
+        {"block_n2": [64, 128], "split_k2": [1, 2, 4, 8], "num_warps2": [4, 8]},
         {"block_k2": [64, 128], "num_stages": [2, 3, 4]},
         {"atomic_reduce": [False, True]},
     ],
     "wide": [
         {"tile": _TOKEN_TILES},
         {"block_k1": [64, 128], "split_k1": [1, 2, 4, 8, 16], "num_stages": [2, 3, 4]},
-        {"block_n2": [64, 128, 256], "split_k2": [1, 2, 4, 8, 16]},
+        {"block_n2": [64, 128, 256], "split_k2": [1, 2, 4, 8, 16], "num_warps2": [4, 8]},
         {"block_k2": [64, 128]},
         {"atomic_reduce": [False, True]},
     ],
@@ -98,7 +98,7 @@ def _w4a16_base(space: str, shape, M: int) -> MoEConfig:
 
 def _w4a8_base(space: str, shape, M: int) -> W4A8Config:
     if space == "tiny":  # the smallest tiles the mode allows, one stage (the interpreter's run)
-        return W4A8Config(block_m=16, block_n1=128, block_n2=64, block_k1=64, block_k2=64, num_warps=4,
+        return W4A8Config(block_m=16, block_n1=128, block_n2=64, block_k1=64, block_k2=64, num_warps1=4,
                           num_stages=1)
     return W4A8Config.heuristic(shape.E, shape.H, shape.I, shape.top_k, M,
                                 num_global_experts=shape.global_experts, weight_block=W4A8_TUNED_BLOCK)
