@@ -52,8 +52,11 @@ against fused_moe_w4a8_reference (the same quantization in plain torch, itself t
 float64 oracle tests/w4a8_oracle.py), with x_vs_w4a16 = W4A16 time / e4m3 time and x_vs_marlin =
 marlin time / e4m3 time in the same run; at each shape's first point the weights' normal E4M3
 table is also checked bit for bit against the full one (tables_agree: the bench's random weights
-take the normal table, so this is where the full table's PTX runs on the GPU). Shapes whose H or I
-is not a multiple of 64 (the tiny CPU shapes) record why it did not run.
+take the normal table, so this is where the full table's PTX runs on the GPU). At each shape's
+last point, where the pick runs 64 tokens with GEMM1 on 8 warps and GEMM2 on 4, the same config
+with GEMM2 on 8 warps is timed beside it (gemm2_warps: the GPU's answer to the static model's
+claim, docs/w4a8.md "Built (2026-12-07)"). Shapes whose H or I is not a multiple of 64 (the tiny
+CPU shapes) record why it did not run.
 """
 
 from __future__ import annotations
@@ -383,11 +386,39 @@ def e4m3_tables_agree(torch, weights, x, tw, ids) -> bool | None:
     return bool(torch.equal(normal.out, run_w4a8(x, full, tw, ids, config=normal.config, deterministic=True).out))
 
 
+def e4m3_gemm2_warps(torch, weights, x, tw, ids, timer, no_graph: bool, config=None) -> dict | None:
+    """GEMM2 on 4 warps against 8 at one 64-token config (``config``; None: the one the call picks):
+    {"config": label, "w4_us", "w8_us", "w8_over_w4"}, each timed like the point (time_call), each
+    output first checked against the other (normwise 1e-2: the atomic top-k sum may reorder). None
+    where the config is not 64 tokens with GEMM1 on 8 warps (nothing to compare)."""
+    from k3nvfp4.kernels.moe_w4a8 import run_w4a8
+    from k3nvfp4.kernels.tune import normwise_error
+
+    cfg = config or run_w4a8(x, weights, tw, ids).config
+    if (cfg.block_m, cfg.num_warps1) != (64, 8):
+        return None
+    res, outs = {"config": cfg.label()}, {}
+    for warps2 in (4, 8):
+        c = dataclasses.replace(cfg, num_warps2=warps2)
+        out = torch.full_like(x, float("nan"))
+        call = lambda c=c, out=out: run_w4a8(x, weights, tw, ids, config=c, out=out)  # noqa: E731
+        call()
+        outs[warps2] = out.clone()
+        t, _, _, _, _ = time_call(torch, call, out, timer, use_graph=not no_graph, what=f"e4m3 GEMM2 w{warps2}")
+        res[f"w{warps2}_us"] = t * 1e6
+    err = normwise_error(outs[8], outs[4].float())
+    if not err <= 1e-2:
+        raise RuntimeError(f"e4m3 GEMM2 on 8 warps differs from 4 warps: normwise {err:.3g} > 1e-2")
+    res["w8_over_w4"] = res["w8_us"] / res["w4_us"]
+    return res
+
+
 def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph: bool,
-                   check_tables: bool = False) -> dict:
+                   check_tables: bool = False, gemm2_warps: bool = False) -> dict:
     """One e4m3 point: checked against fused_moe_w4a8_reference (normwise <= 1e-2) before timing;
     "tables": the E4M3 table each GEMM's weights chose (W4A8MoEWeights.w13_table, w2_table);
-    check_tables: also :func:`e4m3_tables_agree` ("tables_agree"; a disagreement is an error)."""
+    check_tables: also :func:`e4m3_tables_agree` ("tables_agree"; a disagreement is an error);
+    gemm2_warps: also :func:`e4m3_gemm2_warps` ("gemm2_warps", where the pick has 64 tokens)."""
     from k3nvfp4.kernels.moe_w4a8_reference import fused_moe_w4a8_reference
     from k3nvfp4.kernels.tune import normwise_error
 
@@ -402,9 +433,10 @@ def time_e4m3_mode(torch, fused_moe_nvfp4, weights, x, tw, ids, timer, no_graph:
         return {"error": "the normal and the full E4M3 table give different outputs (same config, slot-order sum; "
                          "not timed)"}
     t, n, t_eager, mode, why = time_call(torch, run, out, timer, use_graph=not no_graph, what="act_quant=e4m3")
+    warps = e4m3_gemm2_warps(torch, weights, x, tw, ids, timer, no_graph) if gemm2_warps else None
     return {"time_us": t * 1e6, "mode": mode, "eager_us": t_eager * 1e6, "iters": n, "normwise_vs_reference": err,
             "tables": [weights.w13_table, weights.w2_table], **({"tables_agree": agree} if check_tables else {}),
-            **({"graph_failure": why} if why else {})}
+            **({"gemm2_warps": warps} if warps else {}), **({"graph_failure": why} if why else {})}
 
 
 FLASHINFER_TOL = 2e-2  # SM90 W4A16: bf16, normwise, as marlin's (FlashInfer also rounds the GEMM1 output to bf16)
@@ -804,7 +836,7 @@ def main(argv=None) -> int:
                     try:
                         # the tables compared once per shape, at its first point
                         r = time_e4m3_mode(torch, fused_moe_nvfp4, e4m3_weights, x, tw, ids, timer, args.no_graph,
-                                           check_tables=M == m_list[0])
+                                           check_tables=M == m_list[0], gemm2_warps=M == m_list[-1])
                     except Exception as e:  # reported per point
                         r = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
                     if "error" in r:

@@ -158,7 +158,10 @@ for p in glob.glob(os.path.join(out, "moe-*.json")):
                      "marlin_over_e4m3": fig(e4.get("x_vs_marlin"), 2) if isinstance(e4, dict) else None,
                      # the E4M3 tables its weights took, and the normal one against the full one (first M)
                      "e4m3_tables": e4.get("tables") if isinstance(e4, dict) else None,
-                     "e4m3_tables_agree": e4.get("tables_agree") if isinstance(e4, dict) else None})
+                     "e4m3_tables_agree": e4.get("tables_agree") if isinstance(e4, dict) else None,
+                     # GEMM2 on 8 warps / on 4 at the 64-token pick (last M): the model says > 1
+                     "e4m3_gemm2_w8_over_w4": fig(e4.get("gemm2_warps", {}).get("w8_over_w4"), 2)
+                     if isinstance(e4, dict) else None})
 gp = os.path.join(out, "graph.json")
 if os.path.exists(gp):
     g = json.load(open(gp))

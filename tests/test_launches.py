@@ -284,7 +284,8 @@ def test_bench_moe_mode_arms_time_on_cpu():
     checks its output against its mode's reference before timing and returns a time, and the e4m3
     arm reports the tables its weights took and that the normal table equals the full one bit for
     bit (bench_moe.e4m3_tables_agree, run by gpu_check's bench on the GPU; weights that already take
-    the full table have nothing to compare: None)."""
+    the full table have nothing to compare: None), and times GEMM2 on 4 against 8 warps at a 64-token
+    config (bench_moe.e4m3_gemm2_warps; None at another tile)."""
     import dataclasses
     import pathlib
     import sys
@@ -310,3 +311,12 @@ def test_bench_moe_mode_arms_time_on_cpu():
     assert r["tables"] == ["normal", "normal"] and r["tables_agree"] is True
     full = dataclasses.replace(w, w13_table="full", w2_table="full")
     assert bench_moe.e4m3_tables_agree(torch, full, x, tw, ids) is None
+    # GEMM2 on 4 against 8 warps at a 64-token config (the bench's last point on a GPU); the call's
+    # own pick here is 16 tokens: nothing to compare
+    from k3nvfp4.kernels.moe_w4a8 import W4A8Config
+
+    assert "gemm2_warps" not in r and bench_moe.e4m3_gemm2_warps(torch, w, x, tw, ids, timer, True) is None
+    cfg = W4A8Config(block_m=64, block_k1=64, block_k2=64, num_warps1=8, num_warps2=4, atomic_reduce=True)
+    ab = bench_moe.e4m3_gemm2_warps(torch, w, x, tw, ids, timer, True, config=cfg)
+    assert ab["config"] == cfg.label() and ab["w4_us"] > 0 and ab["w8_us"] > 0
+    assert ab["w8_over_w4"] == ab["w8_us"] / ab["w4_us"]
