@@ -55,9 +55,10 @@ _W4A16_SPACES: dict[str, list[dict[str, list]]] = {
 }
 
 # e4m3: block_m and GEMM1's num_warps go together (W4A8Config's TOKEN_TILES: 8 warps hold GEMM1's
-# 256-row accumulators at 64 tokens); GEMM2's warps are searched with its column tile. block_n1 stays 128 (wider GEMM1 tiles spill on sm90); GEMM1's
-# K step is 64 or 128 (128 fits at 16 and 64 tokens with the fragment-order weights, docs/w4a8.md);
-# the offline launch check drops what spills anyway.
+# 256-row accumulators at 64 tokens); GEMM2's warps are searched with its column tile. block_n1
+# stays 128 (wider GEMM1 tiles spill on sm90); GEMM1's K step is 64 or 128 (128 fits at 16 and 64
+# tokens with the fragment-order weights, docs/w4a8.md); the offline launch check drops what
+# spills anyway.
 _TOKEN_TILES = [{"block_m": bm, "num_warps1": w} for bm, w in TOKEN_TILES]
 _W4A8_SPACES: dict[str, list[dict[str, list]]] = {
     "tiny": [{"block_n2": [64, 128]}],
