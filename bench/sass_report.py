@@ -471,7 +471,11 @@ def markdown(result: dict) -> str:
         f"useful weight (budget {pm.loop_budget(1):.2f} to M = 1024, {pm.loop_budget(4096):.2f} above), "
         f"bound. Per call: launches, bytes per useful weight, predicted time. Assumptions: HBM latency "
         f"{a['hbm_latency_s'] * 1e9:.0f} ns, L2 round trip {a['l2_round_trip_s'] * 1e9:.0f} ns, "
-        f"{a['launch_s'] * 1e6:.1f} us per launch (`k3nvfp4.kernels.perf_model.Assumptions`).",
+        f"{a['launch_s'] * 1e6:.1f} us per launch, stores and reductions "
+        + ("held to the weights' bytes in flight like loads" if a.get("stores_in_flight", True)
+           else "at the copy bandwidth only")
+        + " (`k3nvfp4.kernels.perf_model.Assumptions`; the issue-38 targets under the other reading: "
+        "`bench/inflight_sensitivity.py`).",
         "",
         "Checkpoint nvfp4: the cast's NVFP4 (our E5M3_16 layout; marlin NVFP4 next to it); mxfp4: the MXFP4 "
         "release served directly (our E8M0_32 layout; FlashInfer's MXFP4 next to it).",

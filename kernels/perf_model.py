@@ -106,6 +106,12 @@ class Assumptions:
     - activations: x, the intermediate, split-K partials and the top-k buffer are counted as HBM
       traffic once each way (an upper bound: some of it stays in the 50-126 MB L2).
     - mma_efficiency: fraction of the dense tensor-core peak an MMA-bound loop reaches.
+    - stores_in_flight: whether a kernel's stores and fp32 reductions (its ``store_bytes``: the
+      intermediate, split-K partials, the top-k sum's rows or atomics, the output) count against
+      the in-flight limit like its loads (True, every figure of the report: the conservative
+      reading) or only against the copy bandwidth (False: the SM posts them without waiting on
+      them). Not measured by this project; it decides GEMM2 at TP prefill, where the top-k sum is
+      most of the bytes (bench/inflight_sensitivity.py puts the targets under both).
     """
 
     hbm_latency_s: float = 700e-9
@@ -115,6 +121,7 @@ class Assumptions:
     # The routing kernel of a call (one program up to 1024 pairs; histogram, scan, sort, scatter).
     routing_small_s: float = 3.0e-6
     routing_large_s: float = 8.0e-6  # 3 kernels + a memset above 1024 pairs (launches added apart)
+    stores_in_flight: bool = True
 
 
 DEFAULT_ASSUMPTIONS = Assumptions()
@@ -293,6 +300,7 @@ def predict_kernel(
     launches: int = 1,
     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
     mma_peak_flops: float | None = None,
+    store_bytes: float = 0.0,
 ) -> KernelPrediction:
     """Time of one weight-streaming kernel = launches x launch_s + exposed latency (first HBM
     latency + dependent L2 round trips of the epilogue) + max(bytes, issue, MMA) where
@@ -308,7 +316,9 @@ def predict_kernel(
     most iterations_per_program hot-loop iterations of weights_per_iteration weights (all
     programs together iterations_total), and keeps (stages - 1) x stage_bytes of weights in
     flight. useful_weights: distinct useful weights (bytes); useful_passes: useful weights times
-    the token blocks that process them (instructions)."""
+    the token blocks that process them (instructions). store_bytes: the part of other_bytes the
+    kernel writes (stores, reductions); with ``assumptions.stores_in_flight`` False the in-flight
+    limit applies to the rest only, and all bytes to the copy bandwidth."""
     a = assumptions
     threads = 32 * cost.num_warps
     ctas, limit = occupancy(device, cost.registers, threads, cost.shared_bytes)
@@ -333,7 +343,11 @@ def predict_kernel(
     resident = min(active, slots)
     bandwidth = min(device.hbm_copy_bytes_per_s, resident * in_flight_cta / a.hbm_latency_s) if resident else 0.0
     total_bytes = weight_bytes + other_bytes
+    if not 0.0 <= store_bytes <= other_bytes:
+        raise ValueError(f"{name}: store_bytes {store_bytes:.4g} must lie in [0, other_bytes = {other_bytes:.4g}]")
     t_bytes = total_bytes / bandwidth if bandwidth else 0.0
+    if bandwidth and not a.stores_in_flight:  # only the loads wait on the latency
+        t_bytes = max((total_bytes - store_bytes) / bandwidth, total_bytes / device.hbm_copy_bytes_per_s)
     if per_sm_programs and active:
         sm_bytes = per_sm_programs * (weight_bytes / active)
         t_bytes = max(t_bytes, sm_bytes * a.hbm_latency_s / (resident_per_sm * in_flight_cta))

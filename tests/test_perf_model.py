@@ -4,6 +4,7 @@ under expert parallelism, and one kernel's predicted time term by term."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -109,3 +110,39 @@ def test_mma_at_the_kernels_own_peak_and_the_e4m3_call_at_fp8_rate():
     r = call.routing
     flops = 2.0 * r.blocks * (shard.intermediate // 128) * (shard.hidden // 64) * 256 * 64 * 64
     assert g1.t_mma == pytest.approx(flops / (0.7 * 1979e12))
+
+
+def test_stores_count_against_the_in_flight_limit_or_only_the_copy_bandwidth():
+    """predict_kernel's store_bytes (the part of other_bytes a kernel writes) under both readings of
+    Assumptions.stores_in_flight, by hand on TOY (copy 1 TB/s, latency 1 us): 2 resident programs
+    with one 1000 B stage in flight each stream at 2000 B / 1 us = 2 GB/s."""
+    cost = pm.LoopCost(instructions_per_iteration=1, num_warps=4, registers=64, shared_bytes=1024)
+    kw = dict(name="toy", config="c", cost=cost, programs_launched=2, programs_active=2, iterations_per_program=1,
+              iterations_total=2, weights_per_iteration=1, useful_weights=2, useful_passes=2, weight_bytes=1000,
+              other_bytes=3000, store_bytes=2000, stage_bytes=1000, stages=2, mma_flops=0)
+    loads_only = replace(A, stores_in_flight=False)
+    assert A.stores_in_flight and pm.DEFAULT_ASSUMPTIONS.stores_in_flight  # the report's reading
+    assert pm.predict_kernel(TOY, **kw, assumptions=A).t_bytes == pytest.approx(4000 / 2e9)
+    assert pm.predict_kernel(TOY, **kw, assumptions=loads_only).t_bytes == pytest.approx(2000 / 2e9)
+    # stores enough to fill the copy bandwidth: then they bind, in flight or not
+    big = dict(kw, other_bytes=1000 + 5e6, store_bytes=5e6)
+    assert pm.predict_kernel(TOY, **big, assumptions=loads_only).t_bytes == pytest.approx((2000 + 5e6) / 1e12)
+    with pytest.raises(ValueError, match=r"toy: store_bytes 4000 must lie in \[0, other_bytes = 3000\]"):
+        pm.predict_kernel(TOY, **dict(kw, store_bytes=4000), assumptions=A)
+
+
+def test_skeleton_traffic_names_its_stores_by_hand():
+    """moe_details.call_model.skeleton_traffic: (bytes, of which stores, round trips) of GEMM1's
+    split-K partials and GEMM2's two top-k sums."""
+    from k3nvfp4.kernels.moe_details.call_model import skeleton_traffic
+
+    shard = pm.Shard("t", 4, 4, 256, 128, 4)  # H = 256, I = 128
+    routing = pm.RoutingEstimate(tokens=64, local_pairs=256, active_experts=4, blocks=8, block_m=32)
+    assert skeleton_traffic(True, 1, False, shard, 64, routing, 256) == (0.0, 0.0, 0)
+    partials = 2 * 256 * 256 * 4  # 2 slices x 256 rows x 2I fp32, stored, then read back
+    assert skeleton_traffic(True, 2, False, shard, 64, routing, 256) == (2 * partials, partials, 2)
+    # atomics: the [M, H] memset and one fp32 add per (pair, column) are stores, the final read a load
+    assert skeleton_traffic(False, 1, True, shard, 64, routing, 256) == (
+        64 * 256 * 4 * 2 + 256 * 256 * 4, 64 * 256 * 4 + 256 * 256 * 4, 2)
+    rows = 2 * 256 * 256 * 4  # by last arrival, 2 slices: fp32 rows stored, then summed
+    assert skeleton_traffic(False, 2, False, shard, 64, routing, 256) == (2 * rows, rows, 2)

@@ -62,12 +62,13 @@ def _gemm(device: pm.Device, statics: dict[str, Any], shard: pm.Shard, gemm: str
     x = _ACT_BYTES[act]
     # GEMM1: the (expanded) tokens in, its bf16 gate/up rows out; GEMM2: the intermediate in, bf16 rows out.
     other = (M * H * x + tokens * 2 * I * 2) if gemm == "gemm1" else (tokens * I * x + tokens * H * 2)
+    stores = tokens * 2 * I * 2 if gemm == "gemm1" else tokens * H * 2
     return pm.predict_kernel(
         device, name=f"flashinfer {gemm}", config=f"{tile['M']}x{tile['N']}x{tile['K']} {tile['schedule']}"
         + (f" {statics['kernel_type']}" if is_single_warpgroup(statics.get("kernel_type", "warp_specialized")) else ""),
         cost=cost, programs_launched=device.sms, programs_active=tiles, iterations_per_program=passes,
         iterations_total=tiles * passes, weights_per_iteration=tile["M"] * tile["K"], useful_weights=useful,
-        useful_passes=routing.blocks * rows * K, weight_bytes=useful * bpw, other_bytes=other,
+        useful_passes=routing.blocks * rows * K, weight_bytes=useful * bpw, other_bytes=other, store_bytes=stores,
         stage_bytes=tile["M"] * tile["K"] * bpw, stages=tile["stages"],
         mma_flops=2.0 * tiles * passes * tile["M"] * tile["K"] * tile["N"], assumptions=a,
         mma_peak_flops=device.mma_fp8_flops if act == "e4m3" else None,

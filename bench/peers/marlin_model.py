@@ -94,11 +94,12 @@ def _gemm(device: pm.Device, statics: Statics, shard: pm.Shard, M: int, gemm: st
     useful = routing.active_experts * prob_n * prob_k
     tokens = routing.local_pairs
     other = (M * H * 2 + tokens * 2 * I * 2) if first else (tokens * I * 2 + tokens * H * 2)
+    stores = tokens * 2 * I * 2 if first else tokens * H * 2
     pred = pm.predict_kernel(
         device, name=f"marlin {gemm}", config=f"{tile.label} x{blocks_per_sm}/SM", cost=cost,
         programs_launched=grid, programs_active=active, iterations_per_program=iters, iterations_total=work,
         weights_per_iteration=thread_n * thread_k, useful_weights=useful, useful_passes=parallel * prob_n * prob_k,
-        weight_bytes=useful * MARLIN_BYTES_PER_WEIGHT, other_bytes=other,
+        weight_bytes=useful * MARLIN_BYTES_PER_WEIGHT, other_bytes=other, store_bytes=stores,
         stage_bytes=thread_n * thread_k * MARLIN_BYTES_PER_WEIGHT, stages=stages,
         mma_flops=2.0 * work * thread_n * thread_k * max(16 * tile.thread_m_blocks, 8), dependent_round_trips=trips,
         assumptions=a,

@@ -29,18 +29,20 @@ def padded_k(k: int) -> int:
 
 
 def skeleton_traffic(gemm1: bool, split: int, atomic: bool, shard: Shard, M: int, routing: RoutingEstimate,
-                      rows_used: float) -> tuple[float, int]:
-    """(bytes, dependent L2 round trips) of the MoE skeleton's epilogues (moe_details/skeleton.py),
-    the same for both kernel families: GEMM1's split-K partials over its rows_used (padded) rows,
-    GEMM2's top-k sum."""
+                      rows_used: float) -> tuple[float, float, int]:
+    """(bytes, of which stores, dependent L2 round trips) of the MoE skeleton's epilogues
+    (moe_details/skeleton.py), the same for every kernel family: GEMM1's split-K partials over its
+    rows_used (padded) rows, GEMM2's top-k sum."""
     H, I = shard.hidden, shard.intermediate
     if gemm1:
         if split == 1:
-            return 0.0, 0
-        return 2 * split * rows_used * 2 * I * 4, 2  # fp32 partials, stored and read back
-    if atomic:
-        return 2 * M * H * 4 + routing.local_pairs * H * 4, 2  # memset, atomics, final read
-    return 2 * split * routing.local_pairs * H * 4, 2  # fp32 rows, stored and summed; counter, then rows
+            return 0.0, 0.0, 0
+        partials = split * rows_used * 2 * I * 4
+        return 2 * partials, partials, 2  # fp32 partials, stored and read back
+    if atomic:  # the memset and the atomics are stores, the final read a load
+        return 2 * M * H * 4 + routing.local_pairs * H * 4, M * H * 4 + routing.local_pairs * H * 4, 2
+    rows = split * routing.local_pairs * H * 4
+    return 2 * rows, rows, 2  # fp32 rows, stored and summed; counter, then rows
 
 
 def routing_launches(shard: Shard, M: int, assumptions: Assumptions) -> tuple[int, float]:
@@ -72,8 +74,9 @@ def our_gemm(device: Device, shard: Shard, M: int, launch, cost: LoopCost, routi
     weight_bytes = routing.active_experts * useful_rows * padded_k(K) * bpw
     rows_used = blocks * launch.block_m
     # x in and the intermediate out (GEMM1), the intermediate in and the output out (GEMM2): bf16
-    other, trips = skeleton_traffic(gemm1, launch.split_k, launch.atomic_reduce, shard, M, routing, rows_used)
+    other, stores, trips = skeleton_traffic(gemm1, launch.split_k, launch.atomic_reduce, shard, M, routing, rows_used)
     other += (min(M, routing.local_pairs) * H + rows_used * I) * 2 if gemm1 else (rows_used * I + M * H) * 2
+    stores += rows_used * I * 2 if gemm1 else M * H * 2
     tokens_mma = launch.block_m if launch.swap_ab else max(launch.block_m, 64)
     iterations_total = blocks * n_tiles * k_steps
     processed = iterations_total * rows_tile * launch.block_k
@@ -81,7 +84,7 @@ def our_gemm(device: Device, shard: Shard, M: int, launch, cost: LoopCost, routi
         device, name=f"k3nvfp4 {launch.kind}", config=launch.label(), cost=cost, programs_launched=launched,
         programs_active=active, iterations_per_program=iters, iterations_total=iterations_total,
         weights_per_iteration=rows_tile * launch.block_k, useful_weights=useful, useful_passes=passes,
-        weight_bytes=weight_bytes, other_bytes=other,
+        weight_bytes=weight_bytes, other_bytes=other, store_bytes=stores,
         stage_bytes=rows_tile * launch.block_k * bpw, stages=launch.num_stages,
         mma_flops=2.0 * processed * tokens_mma, dependent_round_trips=trips, assumptions=assumptions,
     )

@@ -41,11 +41,13 @@ def fp4_gemm(device: Device, shard: Shard, M: int, config, kind: str, cost: Loop
     rows_used = blocks * config.block_m
     # quantized x in and the quantized intermediate out (GEMM1), the intermediate in and the bf16
     # output out (GEMM2)
-    other, trips = skeleton_traffic(gemm1, split, config.atomic_reduce, shard, M, routing, rows_used)
+    other, stores, trips = skeleton_traffic(gemm1, split, config.atomic_reduce, shard, M, routing, rows_used)
     if gemm1:
         other += min(M, routing.local_pairs) * H * abytes + rows_used * I * abytes
+        stores += rows_used * I * abytes
     else:
         other += rows_used * I * abytes + M * H * 2
+        stores += M * H * 2
     iterations_total = blocks * n_tiles * k_steps
     processed = iterations_total * rows_tile * block_k
     return predict_kernel(
@@ -54,7 +56,7 @@ def fp4_gemm(device: Device, shard: Shard, M: int, config, kind: str, cost: Loop
         programs_active=blocks * n_tiles * split, iterations_per_program=iters, iterations_total=iterations_total,
         weights_per_iteration=rows_tile * block_k, useful_weights=routing.active_experts * useful_rows * K,
         useful_passes=blocks * useful_rows * K, weight_bytes=routing.active_experts * useful_rows * K * bpw,
-        other_bytes=other, stage_bytes=rows_tile * block_k * bpw, stages=config.num_stages,
+        other_bytes=other, store_bytes=stores, stage_bytes=rows_tile * block_k * bpw, stages=config.num_stages,
         mma_flops=2.0 * processed * config.block_m / FP4_MODE_MMA_SPEEDUP[act_quant],
         dependent_round_trips=trips, assumptions=assumptions,
     )

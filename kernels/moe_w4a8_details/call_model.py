@@ -49,11 +49,13 @@ def w4a8_gemm(device: Device, shard: Shard, M: int, config, kind: str, cost: Loo
     iters = -(-k_steps // split)
     blocks = routing.blocks
     rows_used = blocks * config.block_m
-    other, trips = skeleton_traffic(gemm1, split, config.atomic_reduce, shard, M, routing, rows_used)
+    other, stores, trips = skeleton_traffic(gemm1, split, config.atomic_reduce, shard, M, routing, rows_used)
     if gemm1:  # the E4M3 tokens in, the E4M3 intermediate (every padded row) out
         other += min(M, routing.local_pairs) * H * ACT_BYTES + rows_used * I * ACT_BYTES
+        stores += rows_used * I * ACT_BYTES
     else:  # the intermediate in, the output out (bf16)
         other += rows_used * I * ACT_BYTES + M * H * 2
+        stores += M * H * 2
     iterations_total = blocks * n_tiles * k_steps
     processed = iterations_total * rows_tile * block_k
     return predict_kernel(
@@ -62,7 +64,7 @@ def w4a8_gemm(device: Device, shard: Shard, M: int, config, kind: str, cost: Loo
         programs_active=blocks * n_tiles * split, iterations_per_program=iters, iterations_total=iterations_total,
         weights_per_iteration=rows_tile * block_k, useful_weights=routing.active_experts * useful_rows * K,
         useful_passes=blocks * useful_rows * K, weight_bytes=routing.active_experts * useful_rows * K * bpw,
-        other_bytes=other, stage_bytes=rows_tile * block_k * bpw, stages=config.num_stages,
+        other_bytes=other, store_bytes=stores, stage_bytes=rows_tile * block_k * bpw, stages=config.num_stages,
         mma_flops=2.0 * processed * config.block_m, dependent_round_trips=trips, assumptions=assumptions,
         mma_peak_flops=device.mma_fp8_flops or device.mma_bf16_flops,
     )
