@@ -296,7 +296,7 @@ def markdown(result: dict) -> list[str]:
     normal = {(r["checkpoint"], r["shard"], r["M"]): r for r in rows if r.get("table") == "normal" and "error" not in r}
     lines = ["Hopper W4A8 (`K3NVFP4_ACT_QUANT=e4m3`, docs/w4a8.md) on the H200, FP8 wgmma at the dense FP8 rate "
              "(`perf_model.H200.mma_fp8_flops`), W4A8Config.heuristic's pick, `bench/w4a8_rows.py`. Per GEMM: "
-             "config (bn GEMM1/GEMM2, bk, sk), CTAs/SM, warp-instructions per useful weight pass (bound). Per "
+             "config (bn GEMM1/GEMM2, bk, sk, warps), CTAs/SM, warp-instructions per useful weight pass (bound). Per "
              "call: warp-instructions and weight bytes per useful MAC (x1000) of e4m3 / W4A16 / the W4A16 peer "
              "(marlin for nvfp4, FlashInfer for mxfp4), predicted times of e4m3, W4A16, the W4A16 peer and "
              "FlashInfer's W4A8 (MXFP4 x FP8, `peers/flashinfer_model.flashinfer_w4a8_call`: each GEMM at the "
