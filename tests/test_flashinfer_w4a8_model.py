@@ -121,7 +121,7 @@ def test_report_check_names_a_measured_kernel_the_model_would_misread():
     assert rc.flashinfer_w4a8_findings(rows) == []
     rows[1]["registers"] = 0
     rows[2]["tile"]["mma_atom"] = "MMA_64x64x16_F32BF16BF16_RS"
-    rows[4]["mma_per_iteration"] = 4
+    rows[4]["mma_per_iteration"] += 1  # one MMA more than its tile's (M / 64) x (K / 32)
     found = rc.flashinfer_w4a8_findings(rows)
     assert [f.split(": ")[1] for f in found] == ["registers", "FP8 MMA atom, A from registers",
                                                  "MMAs per iteration"], found

@@ -186,11 +186,14 @@ def test_flashinfer_statics_against_the_model_shape(committed):
     favour); a cooperative tile measured as pingpong, or counted with one warpgroup's MMAs, is named."""
     rc = _report_check()
     statics = committed["flashinfer"]["statics"]
-    assert [r["kernel_type"] for r in statics] == ["warp_specialized"] * 4 + ["cooperative"] * 2
+    from peers import flashinfer_sass as fs
+
+    pingpong = len(fs.TILES)
+    assert [r["kernel_type"] for r in statics] == ["warp_specialized"] * pingpong + ["cooperative"] * 2
     assert any(r["local_bytes"] for r in statics)
     assert rc.flashinfer_findings(statics) == []
     moved = copy.deepcopy(statics)
-    moved[4]["tile"]["schedule"] = "pingpong"
-    moved[5]["mma_per_iteration"] //= 2
+    moved[pingpong]["tile"]["schedule"] = "pingpong"
+    moved[pingpong + 1]["mma_per_iteration"] //= 2
     found = rc.flashinfer_findings(moved)
     assert found == ["flashinfer 128x64x128: kernel / schedule", "flashinfer 128x128x128: MMAs per iteration"], found

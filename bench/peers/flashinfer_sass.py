@@ -103,12 +103,14 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL = "flashinfer_cutlass_w4a16_moe"
 
 # (M, N, K) CTA tiles built and measured: the two 64x16 decode tiles (the first is the untuned
-# default tactic) and the 64-row pingpong tiles of 64 and 128 tokens, the largest token tiles
-# FlashInfer instantiates with 64 weight rows (what its autotuner can take at prefill). Each
+# default tactic) and the 64-row pingpong tiles of 32, 64 and 128 tokens (128: the largest token
+# tile FlashInfer instantiates with 64 weight rows; 32 pads least where an expert gets a few dozen
+# rows, EP16 / TP16 at M = 4096: all in its autotuner's tactic list). Each
 # translation unit builds in 80-120 s with nvcc 13.0 (two in parallel on 2 cores, ~5 GB of memory
 # each), plus a ~25 s SharedStorageSize probe each; 64x16x512 is left out, and so are the 256-row
 # tiles (COOPERATIVE_TILES below are the 128-row ones).
-TILES: tuple[tuple[int, int, int], ...] = ((64, 16, 128), (64, 16, 256), (64, 64, 128), (64, 128, 128))
+TILES: tuple[tuple[int, int, int], ...] = ((64, 16, 128), (64, 16, 256), (64, 32, 128), (64, 64, 128),
+                                           (64, 128, 128))
 SCHEDULE = "pingpong"  # FlashInfer instantiates only pingpong for tile M < 128
 # The 128-row tiles of 64 and 128 tokens, built too: the binding runs 128- and 256-row tiles on the
 # cooperative schedule (both consumer warpgroups on one tile, 64 rows each; measure(cooperative=True)).
@@ -776,15 +778,15 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
     return rows
 
 
-# The W4A8 peer's kernels measured: the W4A16 peer's two pingpong decode tiles, pingpong tiles of 64
-# and 128 tokens (the largest token tiles FlashInfer instantiates with 64 weight rows), Humming's own
+# The W4A8 peer's kernels measured: the W4A16 peer's two pingpong decode tiles, pingpong tiles of 32,
+# 64 and 128 tokens (as the W4A16 peer's: TILES), Humming's own
 # single-warpgroup kernels (128 weight rows x 16 tokens x 128 K; the binding admits them for Humming
 # only: PREFILL where K <= 384, ROLLING above), and the cooperative 128-row tiles of 64 and 128
 # tokens (the binding's tactic list runs 128- and 256-row tiles on the cooperative schedule, both
 # consumer warpgroups on one tile: what its autotuner can take at prefill besides the pingpong ones).
 # Not built: the 256-row and 256-token tiles, and the 256 / 512-K variants.
 W4A8_VARIANTS: tuple[tuple[str, tuple[int, int, int]], ...] = (
-    ("warp_specialized", (64, 16, 128)), ("warp_specialized", (64, 16, 256)),
+    ("warp_specialized", (64, 16, 128)), ("warp_specialized", (64, 16, 256)), ("warp_specialized", (64, 32, 128)),
     ("warp_specialized", (64, 64, 128)), ("warp_specialized", (64, 128, 128)),
     ("single_warpgroup_rolling", (128, 16, 128)), ("single_warpgroup_prefill", (128, 16, 128)),
     ("cooperative", (128, 64, 128)), ("cooperative", (128, 128, 128)))
