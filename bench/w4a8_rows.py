@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from k3nvfp4.kernels.moe_details.e4m3_expand import E4M3_TABLES
+
 CHECKPOINT_BLOCK = {"nvfp4": 16, "mxfp4": 32}  # the weights' block of each checkpoint (W4A8MoEWeights.block)
 # The E4M3 tables a layer's GEMMs may take (W4A8MoEWeights.w13_table / w2_table, chosen from the
 # data at preparation): a row assumes both GEMMs take the same one.
-TABLES = ("full", "normal")
+TABLES = E4M3_TABLES
 LAST_ARRIVAL_BUFFER = {"gemm1": "part_ptr", "gemm2": "buf_ptr"}
 # Issue 38's static done-when (H200): at M >= 4096 on EP16 and TP16, e4m3 <= 0.6x W4A16 and ahead of
 # every peer counted; at M <= 64, e4m3 <= 1.05x W4A16.

@@ -56,9 +56,10 @@ def _row(m: dict) -> Row:
     return (m["instructions_per_iteration"], m["registers"], m["shared_bytes"], m["local_bytes"])
 
 
-def _worst(measurements: list[dict]) -> Row:
-    """The worst of a tile's shipped epilogues, field by field: ptxas allocates registers for the
-    whole kernel, so any epilogue can cost a CTA per SM."""
+def worst_row(measurements: list[dict]) -> Row:
+    """The worst of several compiles of one tile (its shipped epilogues, or the e4m3 mode's two
+    E4M3 tables), field by field: ptxas allocates registers for the whole kernel, so any variant
+    can cost a CTA per SM. measurements: offline/compile*.py's dicts."""
     return tuple(max(col) for col in zip(*map(_row, measurements)))
 
 
@@ -89,7 +90,7 @@ def measure_w4a16_tile(tile: Tile, arch: int, fmt=None) -> Row:
     from ..moe_details.layout import E5M3_16
     from .compile import measure_gemm
 
-    return _worst([measure_gemm(tile.kind, w4a16_config_for(tile, atomic, split), 3584, 3072, 16, arch,
+    return worst_row([measure_gemm(tile.kind, w4a16_config_for(tile, atomic, split), 3584, 3072, 16, arch,
                                 scale_fmt=(fmt or E5M3_16).kernel_id)
                    for atomic, split in _w4a16_variants(tile)])
 
@@ -165,7 +166,7 @@ def _w4a8_job(job: tuple) -> tuple[str, Row]:
     label, kind, cfg, weight_block, table = job
     # Both epilogues a tile ships with: neither is always the larger (the MXFP4 GEMM1 tile bm16
     # bn128 bk64 w4 s3 takes 176 registers at split-K 1 and 168 at split-K 2 with Triton 3.8).
-    return label, _worst([measure_w4a8_gemm(kind, replace(cfg, split_k1=split, split_k2=split), 3584, 3072, 16,
+    return label, worst_row([measure_w4a8_gemm(kind, replace(cfg, split_k1=split, split_k2=split), 3584, 3072, 16,
                                             W4A8_ARCH, weight_block, table=table)
                           for split in (1, 2)])
 

@@ -151,17 +151,17 @@ def _w4a16_measure(kind: str, cfg: MoEConfig, shape, arch: int) -> Any:
 
 
 def _w4a8_measure(kind: str, cfg: W4A8Config, shape, arch: int) -> Any:
-    import dataclasses
-
     from ..moe_details.e4m3_expand import E4M3_TABLES
     from ..offline.compile_w4a8 import measure_w4a8_gemm
+    from ..offline.costs import worst_row
+    from ..perf_model import LoopCost
 
     # The tuned file serves weights of either E4M3 table (W4A8MoEWeights.w13_table), so a config
-    # must launch under both: the worse of the two compiles, field by field.
-    costs = [measure_w4a8_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch, weight_block=W4A8_TUNED_BLOCK,
-                               table=t)["loop_cost"] for t in E4M3_TABLES]
-    return dataclasses.replace(costs[0], **{f: max(getattr(c, f) for c in costs) for f in (
-        "instructions_per_iteration", "registers", "shared_bytes", "local_bytes")})
+    # must launch under both: the worse of the two compiles, field by field (as the cost table).
+    instr, regs, shared, local = worst_row([measure_w4a8_gemm(kind, cfg, shape.H, shape.I, shape.top_k, arch,
+                                                              weight_block=W4A8_TUNED_BLOCK, table=t)
+                                            for t in E4M3_TABLES])
+    return LoopCost(instr, cfg.warps(kind), regs, shared, local)
 
 
 def _w4a8_gemm_key(kind: str, cfg: W4A8Config) -> tuple:
