@@ -63,7 +63,9 @@ class W4A8MoEWeights(ExpertWeights):
 
     def __post_init__(self):
         # The normal table gives wrong bytes below offset -5: refuse weights that claim it wrongly
-        # (once, at load; the kernels trust the flag).
+        # (the kernels trust the flag). Runs at every construction -- the preparation, .to() and
+        # dataclasses.replace -- one min() per matrix (a host sync on a GPU): cheap beside the
+        # preparation itself, and never on the forward path.
         for name, table, offsets in (("w13", self.w13_table, self.w13_offsets), ("w2", self.w2_table, self.w2_offsets)):
             normal = is_normal_table(table, f"{name}_table")
             if normal and offsets.numel() and int(offsets.min()) < E4M3_NORMAL_MIN_OFFSET:
