@@ -212,8 +212,9 @@ def test_launch_sources_name_installed_kernels():
             assert re.search(rf"__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+{kernel}\b", text), kernel
 
 
-def _sass(consumer_real: int = 8, placeholders: int = 5, expect_tx: int = 1) -> str:
-    """cuobjdump-style SASS: an outer tile loop around the consumer k-tile loop, and a producer loop."""
+def _sass(consumer_real: int = 8, placeholders: int = 5, expect_tx: int = 1, spills: int = 0) -> str:
+    """cuobjdump-style SASS: an outer tile loop around the consumer k-tile loop (with ``spills``
+    pairs of local-memory store and load in it), and a producer loop."""
     lines, addr = [], 0x100
 
     def emit(text: str) -> int:
@@ -233,6 +234,9 @@ def _sass(consumer_real: int = 8, placeholders: int = 5, expect_tx: int = 1) -> 
         emit("HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0")
     for _ in range(32):
         emit("FFMA.FTZ R23, R40, R9, R23")
+    for i in range(spills):
+        emit(f"STL [R1+0x{8 * i:x}], R40")
+        emit(f"LDL R41, [R1+0x{8 * i:x}]")
     emit(f"@P0 BRA 0x{head:x}")
     emit(f"@P1 BRA 0x{outer:x}")
     emit("USETMAXREG.DEALLOC.CTAPOOL 0x28")
@@ -261,7 +265,13 @@ def test_measure_on_handwritten_sass():
     assert m["per_weight"] == pytest.approx((4 * n_consumer + n_producer) / 8192)
     assert m["consumer_per_weight"] == pytest.approx(4 * n_consumer / 8192)
     assert m["scale_ffma"] == 32 and m["convert_hmul2"] == 8
-    assert "expected K/16 = 8" in m["mapping"]
+    assert m["spill_ops"] == 0 and m["per_weight_without_spills"] == m["per_weight"]
+    assert "expected 64/64 x K/16 = 8" in m["mapping"]
+    # Spill stores and loads in the loop: counted as instructions, and named apart.
+    m = fs.measure(sass.parse_sass(_sass(spills=3))["k"], (64, 16, 128), (64, 16, 16))
+    assert m["spill_ops"] == 6 and m["stats"].instructions == n_consumer + 6
+    assert m["per_weight"] == pytest.approx((4 * (n_consumer + 6) + n_producer) / 8192)
+    assert m["per_weight_without_spills"] == pytest.approx((4 * n_consumer + n_producer) / 8192)
 
     with pytest.raises(RuntimeError, match="expected 8 HGMMA"):
         fs.measure(sass.parse_sass(_sass(consumer_real=7))["k"], (64, 16, 128), (64, 16, 16))
@@ -274,7 +284,8 @@ def test_measure_on_handwritten_sass():
 def test_measure_a_cooperative_tile_on_handwritten_sass():
     """The cooperative schedule (both consumer warpgroups on one 128-row tile, 64 rows each): the
     same per-warp loop counts twice over the tile's 128 x K weights, and the tile's MMAs are both
-    warpgroups'; a 64-row atom is not two warpgroups of a 256-row tile."""
+    warpgroups'. In a 256-row tile each warpgroup's 128 rows are two 64-row atoms: its loop must
+    hold twice the k-tile's MMAs per warp; pingpong stays one atom of rows per tile."""
     from k3nvfp4.kernels.offline import sass
 
     instrs = sass.parse_sass(_sass())["k"]
@@ -284,8 +295,16 @@ def test_measure_a_cooperative_tile_on_handwritten_sass():
     assert m["per_weight"] == pytest.approx((2 * 4 * n_consumer + n_producer) / (128 * 128))
     assert m["consumer_per_weight"] == pytest.approx(4 * n_consumer / (64 * 128))
     assert "both consumer warpgroups" in m["mapping"]
-    with pytest.raises(RuntimeError, match="is not two warpgroup MMAs"):
+    with pytest.raises(RuntimeError, match="expected 16 HGMMA"):
         fs.measure(instrs, (256, 16, 128), (64, 16, 16), cooperative=True)
+    big = fs.measure(sass.parse_sass(_sass(consumer_real=16))["k"], (256, 16, 128), (64, 16, 16), cooperative=True)
+    n_big = 1 + 16 * 3 + 5 + 32 + 1
+    assert big["weights"] == 256 * 128 and big["real_hgmma"] == 2 * 16
+    assert big["per_weight"] == pytest.approx((2 * 4 * n_big + n_producer) / (256 * 128))
+    assert big["consumer_per_weight"] == pytest.approx(4 * n_big / (128 * 128))
+    assert "128 rows each" in big["mapping"] and "expected 128/64 x K/16 = 16" in big["mapping"]
+    with pytest.raises(RuntimeError, match="is not whole warpgroup MMAs on each half"):
+        fs.measure(instrs, (192, 16, 128), (128, 16, 16), cooperative=True)
     with pytest.raises(RuntimeError, match="is not one warpgroup MMA"):
         fs.measure(instrs, (128, 16, 128), (64, 16, 16))
 

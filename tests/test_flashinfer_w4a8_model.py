@@ -24,7 +24,8 @@ from k3nvfp4.kernels import perf_model as pm  # noqa: E402
 def _row(kernel_type: str, M: int, N: int, K: int, instr_per_weight: float, warps: int = 12,
          min_k: int | None = None, max_k: int | None = None) -> dict:
     return {"kernel_type": kernel_type, "tile": {"M": M, "N": N, "K": K, "schedule": "pingpong", "stages": 4},
-            "warp_instr_per_weight": instr_per_weight, "weights_per_iteration": M * K, "num_warps": warps,
+            "warp_instr_per_weight": instr_per_weight, "warp_instr_per_weight_without_spills": instr_per_weight,
+            "spill_ops_per_iteration": 0, "weights_per_iteration": M * K, "num_warps": warps,
             "registers": 168 if warps == 12 else 88, "shared_bytes": 100_000, "local_bytes": 0,
             "bytes_per_weight": 0.53125, "launches_per_call": 11, "min_k": min_k, "max_k": max_k}
 
@@ -105,7 +106,9 @@ def test_a_prefill_target_needs_every_peer_beaten():
 
 def test_report_check_names_a_measured_kernel_the_model_would_misread():
     """report_check.flashinfer_w4a8_findings: rows shaped like flashinfer_w4a8_rows' pass (a spill
-    too: uncharged, in the peer's favour); no registers, a bf16 MMA atom or a wrong MMA count is named."""
+    too: its traffic uncharged, in the peer's favour, and a loop long only by its spill loads and
+    stores); no registers, a bf16 MMA atom, a wrong MMA count, a loop long without spills or spill
+    instructions without local memory are named."""
     import report_check as rc
     from peers import flashinfer_sass as fs
 
@@ -118,10 +121,14 @@ def test_report_check_names_a_measured_kernel_the_model_would_misread():
         rows.append(r)
     assert rc.flashinfer_w4a8_findings(rows) == []
     rows[0]["local_bytes"] = 16  # a spill is not a finding: the model leaves it uncharged (the peer's favour)
+    rows[0]["spill_ops_per_iteration"], rows[0]["warp_instr_per_weight"] = 900, 0.37  # 256x256's: 0.138 without
     assert rc.flashinfer_w4a8_findings(rows) == []
+    rows[3]["warp_instr_per_weight"] = rows[3]["warp_instr_per_weight_without_spills"] = 0.37
+    rows[5]["spill_ops_per_iteration"] = 4  # local loads and stores, but cuobjdump saw no local memory
     rows[1]["registers"] = 0
     rows[2]["tile"]["mma_atom"] = "MMA_64x64x16_F32BF16BF16_RS"
     rows[4]["mma_per_iteration"] += 1  # one MMA more than its tile's (M / 64) x (K / 32)
     found = rc.flashinfer_w4a8_findings(rows)
     assert [f.split(": ")[1] for f in found] == ["registers", "FP8 MMA atom, A from registers",
-                                                 "MMAs per iteration"], found
+                                                 "warp-instructions per weight", "MMAs per iteration",
+                                                 "spills without local memory"], found

@@ -5,17 +5,18 @@ model: the W4A16 path (x bf16, :func:`flashinfer_call`) and the W4A8 one (x FP8,
 One ``cutlass_fused_moe(..., use_w4_group_scaling=True)`` call is 11 launches (flashinfer_sass:
 3 sort kernels, permute, strides, a work-tile map and the grouped GEMM per GEMM, the activation,
 finalize). Each grouped GEMM runs, in the model, the fastest of the measured tiles
-(flashinfer_sass.TILES: 64 weight rows x 16, 64 or 128 tokens, the untuned default the first,
+(flashinfer_sass.TILES: 64 weight rows x 16, 32, 64 or 128 tokens, the untuned default the first,
 64x16x128; and COOPERATIVE_TILES): what an autotuner that profiles every candidate finds at best,
 in the peer's favour.
 An expert with X local pairs is ceil(rows / tile rows) x ceil(X / tokens) tiles of K / tile K loop
 passes, on a persistent grid (one ~205 KiB CTA per SM). Bytes: nibbles + one E8M0 per 32 (0.53125
 per weight). The nine small kernels are charged a launch, an HBM latency and their bytes.
 
-The cooperative 128-row tiles of 64 and 128 tokens (flashinfer_sass.COOPERATIVE_TILES: both
-consumer warpgroups on one tile) are counted the same way, one program per tile. Not modelled: the
-pingpong overlap of two consumer warpgroups (counted as one program per tile), the 256-row tiles,
-the first and last K tile outside the SASS loop.
+The cooperative tiles (flashinfer_sass.COOPERATIVE_TILES: 128 x 64 to 256 x 256 rows x tokens,
+both consumer warpgroups on one tile) are counted the same way, one program per tile. Not
+modelled: the pingpong overlap of two consumer warpgroups (counted as one program per tile), the
+spills' local-memory traffic (their instructions are in the loop's count), the first and last K
+tile outside the SASS loop.
 
 The W4A8 path runs the same 11 launches (runMoe takes the same branches): the permute also
 quantizes each expanded row to E4M3 with one fp32 scale per row, the activation writes the
@@ -23,9 +24,10 @@ intermediate in E4M3 the same way, and both grouped GEMMs run FP8 wgmma
 (``QGMMA...E4M3.E4M3``) at the device's dense FP8 rate. Its tactic is taken per GEMM as the
 fastest the model predicts among the measured kernels the binding admits for that GEMM's K
 (flashinfer_sass.W4A8_VARIANTS: pingpong tiles of 16, 64 and 128 tokens, Humming's
-single-warpgroup kernels, the cooperative 128-row tiles of 64 and 128 tokens, whose CTA runs one
+single-warpgroup kernels, the cooperative tiles of 128 x 64 to 256 x 256, whose CTA runs one
 tile with both consumer warpgroups): what an autotuner that profiles every candidate would find at
-best, so the comparison favours the peer. Its 256-row tiles are not measured.
+best, so the comparison favours the peer. Its 256 / 512-K variants (but 64 x 16 x 256) are not
+measured.
 """
 
 from __future__ import annotations

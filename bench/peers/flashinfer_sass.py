@@ -14,7 +14,8 @@ as ``k3nvfp4.kernels.offline.sass`` reports for our Triton kernels and ``marlin_
 warp-instructions of one K-loop pass per FP4 weight it consumes.
 
 How: FlashInfer JIT-builds this module from the CUTLASS sources in its wheel (about 248
-translation units). This module builds only the decode tiles: it writes a translation unit under
+translation units). This module builds only the tiles it measures (TILES, COOPERATIVE_TILES,
+W4A8_VARIANTS): it writes a translation unit under
 ``build/peers/flashinfer/`` with FlashInfer's own kernel generator
 (``jit/gemm/cutlass/generate_kernels.py``: ``generate_sm90_mixed_type_grouped_gemm_operations``
 and ``get_file_content``, loaded standalone, nothing of FlashInfer is copied) -- it #includes the
@@ -106,15 +107,19 @@ KERNEL = "flashinfer_cutlass_w4a16_moe"
 # default tactic) and the 64-row pingpong tiles of 32, 64 and 128 tokens (128: the largest token
 # tile FlashInfer instantiates with 64 weight rows; 32 pads least where an expert gets a few dozen
 # rows, EP16 / TP16 at M = 4096: all in its autotuner's tactic list). Each
-# translation unit builds in 80-120 s with nvcc 13.0 (two in parallel on 2 cores, ~5 GB of memory
-# each), plus a ~25 s SharedStorageSize probe each; 64x16x512 is left out, and so are the 256-row
-# tiles (COOPERATIVE_TILES below are the 128-row ones).
+# translation unit builds in 55-120 s with nvcc 13.0 (two in parallel on 2 cores, ~5 GB of memory
+# each), plus a ~25 s SharedStorageSize probe each; the 256 / 512-K variants other than 64x16x256
+# are left out.
 TILES: tuple[tuple[int, int, int], ...] = ((64, 16, 128), (64, 16, 256), (64, 32, 128), (64, 64, 128),
                                            (64, 128, 128))
 SCHEDULE = "pingpong"  # FlashInfer instantiates only pingpong for tile M < 128
-# The 128-row tiles of 64 and 128 tokens, built too: the binding runs 128- and 256-row tiles on the
-# cooperative schedule (both consumer warpgroups on one tile, 64 rows each; measure(cooperative=True)).
-COOPERATIVE_TILES: tuple[tuple[int, int, int], ...] = ((128, 64, 128), (128, 128, 128))
+# The cooperative tiles, built too: the binding runs 128- and 256-row tiles on the cooperative
+# schedule (both consumer warpgroups on one tile, half its rows each: 64, or 128 as two MMA atoms;
+# measure(cooperative=True)). The 128-row tiles of 64 and 128 tokens, and the largest tiles of its
+# autotuner's grouped weight-only list (get_candidate_tiles_sm90): 128 x 256, 256 x 128 and
+# 256 x 256 (rows x tokens), which amortize each k-tile's weight conversion over the most tokens.
+COOPERATIVE_TILES: tuple[tuple[int, int, int], ...] = ((128, 64, 128), (128, 128, 128), (128, 256, 128),
+                                                       (256, 128, 128), (256, 256, 128))
 CLUSTER = (1, 1, 1)
 
 MXFP4_GROUP_SIZE = 32
@@ -581,17 +586,20 @@ def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int
 
     m_tile, n_tile, k_tile = tile
     am, an, ak = atom_mnk
-    wgs = m_tile // am if cooperative else 1  # consumer warpgroups on one tile
-    if am * wgs != m_tile or an != n_tile or (cooperative and wgs != 2):
-        raise RuntimeError(f"MMA atom {atom_mnk} is not {'two warpgroup MMAs' if cooperative else 'one warpgroup MMA'} "
-                           f"per {m_tile}x{n_tile} tile")
-    exp = k_tile // ak
+    wgs = 2 if cooperative else 1  # consumer warpgroups on one tile
+    wg_rows = m_tile // wgs  # weight rows each consumer warpgroup multiplies: 64, or 128 in a 256-row tile
+    # pingpong: one MMA atom of rows per tile (FlashInfer makes pingpong kernels only below 128 rows);
+    # cooperative: each warpgroup's half of the rows in whole atoms (two of them in a 256-row tile).
+    if an != n_tile or (wg_rows != am if not cooperative else (m_tile % wgs or wg_rows % am)):
+        what = "whole warpgroup MMAs on each half" if cooperative else "one warpgroup MMA"
+        raise RuntimeError(f"MMA atom {atom_mnk} is not {what} of a {m_tile}x{n_tile} tile")
+    exp = (wg_rows // am) * (k_tile // ak)  # MMAs per warp per k-tile: atoms along the rows x along K
     loop = consumer_loop(instrs, exp)
     st = sass.loop_stats(loop)
     real = sum(is_real_hgmma(i) for i in loop.instrs)
     placeholders = st.mma - real
     weights = m_tile * k_tile
-    wg_weights = am * k_tile  # one consumer warpgroup's share of a k-tile
+    wg_weights = wg_rows * k_tile  # one consumer warpgroup's share of a k-tile
     if real * am * ak != wg_weights:
         raise RuntimeError(f"{real} HGMMA x {am}x{ak} weights do not cover the {wg_weights} weights of a "
                            "consumer warpgroup's k-tile")
@@ -607,10 +615,13 @@ def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int
     lds_u8 = st.opcode_mix.get("LDS.U8", 0)
     mma = "QGMMA" if act == "e4m3" else "HGMMA"
     groups = k_tile // MXFP4_GROUP_SIZE
-    acc_per_thread = am * n_tile // 128
+    acc_per_thread = wg_rows * n_tile // 128
     consumer_wipw = sass.warp_instr_per_weight(st.instructions, CONSUMER_WARPS, wg_weights)
     total = (wgs * CONSUMER_WARPS * st.instructions + PRODUCER_WARPS * pst.instructions) / weights
-    who = (f"the {wgs} x {CONSUMER_WARPS} warps of both consumer warpgroups, {am} rows each (cooperative)"
+    # Local-memory loads and stores in the consumer loop: the spills of a tile whose accumulators do
+    # not fit the 232 registers (issue slots counted in `total`, their traffic not charged).
+    spill_ops = sum(n for op, n in st.opcode_mix.items() if op.startswith(("LDL", "STL")))
+    who = (f"the {wgs} x {CONSUMER_WARPS} warps of both consumer warpgroups, {wg_rows} rows each (cooperative)"
            if cooperative else f"the {CONSUMER_WARPS} warps of one consumer warpgroup")
     enclosing = sum(1 for lp in sass.loops(instrs) if lp.start <= loop.start and lp.end >= loop.end and lp != loop)
     mapping = (
@@ -619,7 +630,8 @@ def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int
         f"{enclosing} larger loop(s): tile and persistent-scheduler loops) = one k-tile of {k_tile} (K) x "
         f"{m_tile} (M, weight rows; swap_ab) FP4 weights of one expert against {n_tile} tokens = {weights} "
         f"weights, run by {who}; checked: {real} "
-        f"{mma}.{am}x{an}x{ak} per warp (expected K/{ak} = {exp}) x {am}x{ak} weights per warpgroup {mma} = "
+        f"{mma}.{am}x{an}x{ak} per warp (expected {wg_rows}/{am} x K/{ak} = {exp}) x {am}x{ak} weights per "
+        f"warpgroup {mma} = "
         f"{wg_weights} per warpgroup; plus {placeholders} no-op HGMMA.64x8x16 RZ commit placeholders (counted "
         f"as instructions only). Per pass per thread: "
         + (f"{ffma} FFMA applying the E8M0 scales to the fp32 "
@@ -640,7 +652,8 @@ def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int
             "placeholders": placeholders, "weights": weights,
             "producer_loop": ploop, "producer_stats": pst, "consumer_per_weight": consumer_wipw,
             "per_weight": total, "mapping": mapping, "scale_ffma": ffma, "convert_hmul2": hmul2,
-            "convert_prmt": prmt, "table_lds_u8": lds_u8}
+            "convert_prmt": prmt, "table_lds_u8": lds_u8, "spill_ops": spill_ops,
+            "per_weight_without_spills": total - wgs * CONSUMER_WARPS * spill_ops / weights}
 
 
 def _label(tile: tuple[int, int, int]) -> str:
@@ -759,6 +772,8 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
             "mma_per_iteration": m["real_hgmma"],
             "hgmma_placeholders_per_iteration": m["placeholders"],
             "scale_ffma_per_iteration": m["scale_ffma"],
+            "spill_ops_per_iteration": m["spill_ops"],
+            "warp_instr_per_weight_without_spills": round(m["per_weight_without_spills"], 4),
             "iteration_mapping": m["mapping"],
             "bytes_per_weight": BYTES_PER_WEIGHT,
             "launches_per_call": len(LAUNCH_SOURCES),
@@ -781,15 +796,15 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
 # The W4A8 peer's kernels measured: the W4A16 peer's two pingpong decode tiles, pingpong tiles of 32,
 # 64 and 128 tokens (as the W4A16 peer's: TILES), Humming's own
 # single-warpgroup kernels (128 weight rows x 16 tokens x 128 K; the binding admits them for Humming
-# only: PREFILL where K <= 384, ROLLING above), and the cooperative 128-row tiles of 64 and 128
-# tokens (the binding's tactic list runs 128- and 256-row tiles on the cooperative schedule, both
-# consumer warpgroups on one tile: what its autotuner can take at prefill besides the pingpong ones).
-# Not built: the 256-row and 256-token tiles, and the 256 / 512-K variants.
+# only: PREFILL where K <= 384, ROLLING above), and the cooperative tiles (COOPERATIVE_TILES: the
+# binding's tactic list runs 128- and 256-row tiles on the cooperative schedule, both consumer
+# warpgroups on one tile: what its autotuner can take at prefill besides the pingpong ones).
+# Not built: the 256 / 512-K variants (other than 64x16x256).
 W4A8_VARIANTS: tuple[tuple[str, tuple[int, int, int]], ...] = (
     ("warp_specialized", (64, 16, 128)), ("warp_specialized", (64, 16, 256)), ("warp_specialized", (64, 32, 128)),
     ("warp_specialized", (64, 64, 128)), ("warp_specialized", (64, 128, 128)),
     ("single_warpgroup_rolling", (128, 16, 128)), ("single_warpgroup_prefill", (128, 16, 128)),
-    ("cooperative", (128, 64, 128)), ("cooperative", (128, 128, 128)))
+    *(("cooperative", t) for t in COOPERATIVE_TILES))
 # Warps per CTA of Humming's single-warpgroup kernels (no producer warpgroup).
 SINGLE_WARPGROUP_WARPS = 4
 # Where the binding admits each single-warpgroup kernel: the GEMM's K (PREFILL: K <= 384, ROLLING: above).
@@ -816,9 +831,11 @@ def measure_single_warpgroup(instrs: list[Instr], tile: tuple[int, int, int],
                f"(weight rows) FP4 weights against {n_tile} tokens = {weights} weights, run by the CTA's one "
                f"warpgroup (4 warps), which also issues the k-tile's loads ({copies}); checked: {exp} QGMMA."
                f"{am}x{an}x{ak} per warp (M/{am} x K/{ak}). warp_instr_per_weight = 4 x {st.instructions} / {weights}")
+    spill_ops = sum(n for op, n in st.opcode_mix.items() if op.startswith(("LDL", "STL")))
     return {"loop": loop, "stats": st, "weights": weights, "real_hgmma": exp, "per_weight": 4 * st.instructions / weights,
             "mapping": mapping, "convert_prmt": _count(st.opcode_mix, "PRMT"),
-            "table_lds_u8": st.opcode_mix.get("LDS.U8", 0), "scale_ffma": _count(st.opcode_mix, "FFMA")}
+            "table_lds_u8": st.opcode_mix.get("LDS.U8", 0), "scale_ffma": _count(st.opcode_mix, "FFMA"),
+            "spill_ops": spill_ops, "per_weight_without_spills": 4 * (st.instructions - spill_ops) / weights}
 
 
 def flashinfer_w4a8_rows(build_dir: str | os.PathLike = "build/peers/flashinfer") -> list[dict[str, Any]]:
@@ -885,6 +902,8 @@ def flashinfer_w4a8_rows(build_dir: str | os.PathLike = "build/peers/flashinfer"
             "convert_prmt_per_iteration": m["convert_prmt"],
             "table_lds_u8_per_iteration": m["table_lds_u8"],
             "scale_ffma_per_iteration": m["scale_ffma"],
+            "spill_ops_per_iteration": m["spill_ops"],
+            "warp_instr_per_weight_without_spills": round(m["per_weight_without_spills"], 4),
             "opcode_mix": dict(list(st.opcode_mix.items())[:15]),
             "iteration_mapping": m["mapping"],
             "bytes_per_weight": BYTES_PER_WEIGHT,
