@@ -5,8 +5,8 @@ model: the W4A16 path (x bf16, :func:`flashinfer_call`) and the W4A8 one (x FP8,
 One ``cutlass_fused_moe(..., use_w4_group_scaling=True)`` call is 11 launches (flashinfer_sass:
 3 sort kernels, permute, strides, a work-tile map and the grouped GEMM per GEMM, the activation,
 finalize). Each grouped GEMM runs, in the model, the fastest of the measured tiles
-(flashinfer_sass.TILES: 64 weight rows x 16, 32, 64 or 128 tokens, the untuned default the first,
-64x16x128; and COOPERATIVE_TILES): what an autotuner that profiles every candidate finds at best,
+(flashinfer_sass.TILES: 64 weight rows x 16, 32, 64 or 128 tokens x K 128, 256 or 512, the untuned
+default the first, 64x16x128; and COOPERATIVE_TILES: its autotuner's whole 1x1x1 list): what an autotuner that profiles every candidate finds at best,
 in the peer's favour.
 An expert with X local pairs is ceil(rows / tile rows) x ceil(X / tokens) tiles of K / tile K loop
 passes, on a persistent grid (one ~205 KiB CTA per SM). Bytes: nibbles + one E8M0 per 32 (0.53125
@@ -23,11 +23,11 @@ quantizes each expanded row to E4M3 with one fp32 scale per row, the activation 
 intermediate in E4M3 the same way, and both grouped GEMMs run FP8 wgmma
 (``QGMMA...E4M3.E4M3``) at the device's dense FP8 rate. Its tactic is taken per GEMM as the
 fastest the model predicts among the measured kernels the binding admits for that GEMM's K
-(flashinfer_sass.W4A8_VARIANTS: pingpong tiles of 16, 64 and 128 tokens, Humming's
-single-warpgroup kernels, the cooperative tiles of 128 x 64 to 256 x 256, whose CTA runs one
-tile with both consumer warpgroups): what an autotuner that profiles every candidate would find at
-best, so the comparison favours the peer. Its 256 / 512-K variants (but 64 x 16 x 256) are not
-measured.
+(flashinfer_sass.W4A8_VARIANTS: the W4A16 peer's 28 tiles, pingpong and cooperative, whose
+cooperative CTA runs one tile with both consumer warpgroups, and Humming's two single-warpgroup
+kernels): what an autotuner that profiles every candidate would find at best, so the comparison
+favours the peer. Not measured: the 2x1, 1x2 and 2x2 clusters, Humming's other single-warpgroup
+tiles.
 """
 
 from __future__ import annotations

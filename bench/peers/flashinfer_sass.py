@@ -103,23 +103,22 @@ if TYPE_CHECKING:
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL = "flashinfer_cutlass_w4a16_moe"
 
-# (M, N, K) CTA tiles built and measured: the two 64x16 decode tiles (the first is the untuned
-# default tactic) and the 64-row pingpong tiles of 32, 64 and 128 tokens (128: the largest token
-# tile FlashInfer instantiates with 64 weight rows; 32 pads least where an expert gets a few dozen
-# rows, EP16 / TP16 at M = 4096: all in its autotuner's tactic list). Each
-# translation unit builds in 55-120 s with nvcc 13.0 (two in parallel on 2 cores, ~5 GB of memory
-# each), plus a ~25 s SharedStorageSize probe each; the 256 / 512-K variants other than 64x16x256
-# are left out.
-TILES: tuple[tuple[int, int, int], ...] = ((64, 16, 128), (64, 16, 256), (64, 32, 128), (64, 64, 128),
-                                           (64, 128, 128))
+# (M, N, K) CTA tiles built and measured: every tile of FlashInfer's autotuner list for grouped
+# weight-only GEMMs on sm90 (get_candidate_tiles_sm90 in .../cutlass_heuristic.cpp; each as its
+# 1x1x1-cluster candidate, get_candidate_configs_sm90). The 64-row tiles run pingpong (TILES: 16,
+# 32, 64 and 128 tokens x K 128, 256 and 512; the first, 64x16x128, is the untuned default
+# tactic); the 128- and 256-row ones cooperative, the only schedule get_candidate_configs_sm90
+# gives a tile that sm90_supports_coop admits (COOPERATIVE_TILES: both consumer warpgroups on one
+# tile, half its rows each: 64, or 128 as two MMA atoms; measure(cooperative=True)). Each
+# translation unit builds in 45-120 s with nvcc 13.0 (two in parallel on 2 cores, ~5 GB of memory
+# each), plus a ~25 s SharedStorageSize probe each: 28 units per peer, about 20 minutes the first
+# time, cached under build/peers/flashinfer/.
+TILES: tuple[tuple[int, int, int], ...] = tuple((64, n, k) for n in (16, 32, 64, 128) for k in (128, 256, 512))
 SCHEDULE = "pingpong"  # FlashInfer instantiates only pingpong for tile M < 128
-# The cooperative tiles, built too: the binding runs 128- and 256-row tiles on the cooperative
-# schedule (both consumer warpgroups on one tile, half its rows each: 64, or 128 as two MMA atoms;
-# measure(cooperative=True)). The 128-row tiles of 64 and 128 tokens, and the largest tiles of its
-# autotuner's grouped weight-only list (get_candidate_tiles_sm90): 128 x 256, 256 x 128 and
-# 256 x 256 (rows x tokens), which amortize each k-tile's weight conversion over the most tokens.
-COOPERATIVE_TILES: tuple[tuple[int, int, int], ...] = ((128, 64, 128), (128, 128, 128), (128, 256, 128),
-                                                       (256, 128, 128), (256, 256, 128))
+COOPERATIVE_TILES: tuple[tuple[int, int, int], ...] = (
+    *((128, n, k) for n in (16, 32, 64) for k in (128, 256, 512)),
+    *((128, n, k) for n in (128, 256) for k in (128, 256)),
+    (256, 128, 128), (256, 128, 256), (256, 256, 128))
 CLUSTER = (1, 1, 1)
 
 MXFP4_GROUP_SIZE = 32
@@ -796,13 +795,10 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
 # The W4A8 peer's kernels measured: the W4A16 peer's two pingpong decode tiles, pingpong tiles of 32,
 # 64 and 128 tokens (as the W4A16 peer's: TILES), Humming's own
 # single-warpgroup kernels (128 weight rows x 16 tokens x 128 K; the binding admits them for Humming
-# only: PREFILL where K <= 384, ROLLING above), and the cooperative tiles (COOPERATIVE_TILES: the
-# binding's tactic list runs 128- and 256-row tiles on the cooperative schedule, both consumer
-# warpgroups on one tile: what its autotuner can take at prefill besides the pingpong ones).
-# Not built: the 256 / 512-K variants (other than 64x16x256).
+# only: PREFILL where K <= 384, ROLLING above), and the cooperative tiles (COOPERATIVE_TILES): the
+# W4A16 peer's tiles, its autotuner's whole 1x1x1 list, plus Humming's own kernels.
 W4A8_VARIANTS: tuple[tuple[str, tuple[int, int, int]], ...] = (
-    ("warp_specialized", (64, 16, 128)), ("warp_specialized", (64, 16, 256)), ("warp_specialized", (64, 32, 128)),
-    ("warp_specialized", (64, 64, 128)), ("warp_specialized", (64, 128, 128)),
+    *(("warp_specialized", t) for t in TILES),
     ("single_warpgroup_rolling", (128, 16, 128)), ("single_warpgroup_prefill", (128, 16, 128)),
     *(("cooperative", t) for t in COOPERATIVE_TILES))
 # Warps per CTA of Humming's single-warpgroup kernels (no producer warpgroup).
