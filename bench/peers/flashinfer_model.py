@@ -4,10 +4,11 @@ model: the W4A16 path (x bf16, :func:`flashinfer_call`) and the W4A8 one (x FP8,
 
 One ``cutlass_fused_moe(..., use_w4_group_scaling=True)`` call is 11 launches (flashinfer_sass:
 3 sort kernels, permute, strides, a work-tile map and the grouped GEMM per GEMM, the activation,
-finalize). Each grouped GEMM runs, in the model, the fastest of the measured tiles
-(flashinfer_sass.TILES: 64 weight rows x 16, 32, 64 or 128 tokens x K 128, 256 or 512, the untuned
-default the first, 64x16x128; and COOPERATIVE_TILES: its autotuner's whole 1x1x1 list): what an autotuner that profiles every candidate finds at best,
-in the peer's favour.
+finalize). Each grouped GEMM runs, in the model, the fastest of the measured tiles, its
+autotuner's whole 1x1x1-cluster list (flashinfer_sass.TILES: 64 weight rows x 16, 32, 64 or 128
+tokens x K 128, 256 or 512, the untuned default the first, 64x16x128; and COOPERATIVE_TILES, 128
+and 256 rows): what an autotuner that profiles every candidate finds at best, in the peer's
+favour.
 An expert with X local pairs is ceil(rows / tile rows) x ceil(X / tokens) tiles of K / tile K loop
 passes, on a persistent grid (one ~205 KiB CTA per SM). Bytes: nibbles + one E8M0 per 32 (0.53125
 per weight). The nine small kernels are charged a launch, an HBM latency and their bytes.

@@ -792,11 +792,10 @@ def flashinfer_rows(arch: int = 90, build_dir: str | os.PathLike = "build/peers/
     return rows
 
 
-# The W4A8 peer's kernels measured: the W4A16 peer's two pingpong decode tiles, pingpong tiles of 32,
-# 64 and 128 tokens (as the W4A16 peer's: TILES), Humming's own
-# single-warpgroup kernels (128 weight rows x 16 tokens x 128 K; the binding admits them for Humming
-# only: PREFILL where K <= 384, ROLLING above), and the cooperative tiles (COOPERATIVE_TILES): the
-# W4A16 peer's tiles, its autotuner's whole 1x1x1 list, plus Humming's own kernels.
+# The W4A8 peer's kernels measured: the W4A16 peer's tiles (TILES, pingpong, and COOPERATIVE_TILES:
+# the autotuner's whole 1x1x1-cluster list) and Humming's own single-warpgroup kernels (128 weight
+# rows x 16 tokens x 128 K; the binding admits them for Humming only: PREFILL where K <= 384,
+# ROLLING above).
 W4A8_VARIANTS: tuple[tuple[str, tuple[int, int, int]], ...] = (
     *(("warp_specialized", t) for t in TILES),
     ("single_warpgroup_rolling", (128, 16, 128)), ("single_warpgroup_prefill", (128, 16, 128)),
