@@ -619,7 +619,7 @@ def measure(instrs: list[Instr], tile: tuple[int, int, int], atom_mnk: tuple[int
     total = (wgs * CONSUMER_WARPS * st.instructions + PRODUCER_WARPS * pst.instructions) / weights
     # Local-memory loads and stores in the consumer loop: the spills of a tile whose accumulators do
     # not fit the 232 registers (issue slots counted in `total`, their traffic not charged).
-    spill_ops = sum(n for op, n in st.opcode_mix.items() if op.startswith(("LDL", "STL")))
+    spill_ops = _count(st.opcode_mix, "LDL", "STL")
     who = (f"the {wgs} x {CONSUMER_WARPS} warps of both consumer warpgroups, {wg_rows} rows each (cooperative)"
            if cooperative else f"the {CONSUMER_WARPS} warps of one consumer warpgroup")
     enclosing = sum(1 for lp in sass.loops(instrs) if lp.start <= loop.start and lp.end >= loop.end and lp != loop)
@@ -826,7 +826,7 @@ def measure_single_warpgroup(instrs: list[Instr], tile: tuple[int, int, int],
                f"(weight rows) FP4 weights against {n_tile} tokens = {weights} weights, run by the CTA's one "
                f"warpgroup (4 warps), which also issues the k-tile's loads ({copies}); checked: {exp} QGMMA."
                f"{am}x{an}x{ak} per warp (M/{am} x K/{ak}). warp_instr_per_weight = 4 x {st.instructions} / {weights}")
-    spill_ops = sum(n for op, n in st.opcode_mix.items() if op.startswith(("LDL", "STL")))
+    spill_ops = _count(st.opcode_mix, "LDL", "STL")
     return {"loop": loop, "stats": st, "weights": weights, "real_hgmma": exp, "per_weight": 4 * st.instructions / weights,
             "mapping": mapping, "convert_prmt": _count(st.opcode_mix, "PRMT"),
             "table_lds_u8": st.opcode_mix.get("LDS.U8", 0), "scale_ffma": _count(st.opcode_mix, "FFMA"),
